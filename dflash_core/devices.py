@@ -1,0 +1,59 @@
+"""Resolve ``device:`` annotations before anything starts.
+
+``validate`` must not import torch (it is slow and may not match the GPU driver), so the
+number of visible CUDA devices is read from the driver's view of the system first and only
+confirmed with torch at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from functools import lru_cache
+
+_DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
+
+
+@lru_cache(maxsize=1)
+def visible_cuda_devices() -> int:
+    """How many CUDA devices this process may use, without importing torch."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        ids = [x for x in env.split(",") if x.strip() and x.strip() != "-1"]
+        if not ids:
+            return 0
+    driver = "/proc/driver/nvidia/gpus"
+    count = len(os.listdir(driver)) if os.path.isdir(driver) else 0
+    if count == 0 and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+            count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            count = 0
+    return min(count, len(ids)) if env is not None else count
+
+
+def resolve_device(spec: str, hook: object | None = None) -> str:
+    """Return a torch device string for ``spec`` or raise ``ValueError`` saying why not.
+
+    Plugins get the first word through ``dflash_pipe_resolve_device``; the built-in rule
+    accepts ``cpu``, ``mps``, ``cuda`` (= ``cuda:0``) and ``cuda:N`` for a visible N.
+    """
+    if hook is not None:
+        resolved = hook.dflash_pipe_resolve_device(spec=spec)  # type: ignore[attr-defined]
+        if resolved is not None:
+            return str(resolved)
+    m = _DEVICE_RE.match(spec.strip())
+    if not m:
+        raise ValueError(f"unknown device '{spec}' (expected cpu, cuda, cuda:N or mps)")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cuda":
+        n = visible_cuda_devices()
+        idx = int(index or 0)
+        if idx >= n:
+            seen = f"{n} CUDA device{'s' if n != 1 else ''} visible"
+            raise ValueError(f"device '{spec}' is not available ({seen})")
+        return f"cuda:{idx}"
+    return kind if index is None else f"{kind}:{index}"

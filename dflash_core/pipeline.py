@@ -1,0 +1,85 @@
+"""The validated pipeline: what the loader produces and the runner, ``graph`` and ``status`` read.
+
+Nothing here parses YAML; see :mod:`dflash_core.pipeline_file` for that. Keeping the model
+separate lets tests and plugins build pipelines in code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from dflash_core.stage import Stage
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a YAML node starts (1-based line and column), for ``file:line:col`` messages."""
+
+    file: str
+    line: int
+    col: int
+
+
+@dataclass
+class StageSpec:
+    """One entry of ``stages:`` after validation."""
+
+    name: str
+    """Key in ``stages:`` (also the default kind when ``uses`` is a bare name)."""
+    uses: str
+    cls: type[Stage]
+    config: Any
+    """Instance of ``cls.Config`` built from ``params``."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Raw params (after ``--set``), as in the file; the artifact key hashes these."""
+    after: dict[str, str] = field(default_factory=dict)
+    """Input port -> upstream stage name."""
+    device: str = "cpu"
+    """Resolved torch device string (``cpu``, ``cuda:0``)."""
+    link: str | None = None
+    """Link of this stage's input edges if the file set one; else each upstream's default."""
+    executor: str = "thread"
+    mark: Mark | None = None
+
+    @property
+    def impl(self) -> str:
+        return f"{self.cls.kind}:{self.cls.name}"
+
+
+@dataclass
+class Pipeline:
+    """A validated pipeline file."""
+
+    path: str
+    run_dir: str
+    stages: dict[str, StageSpec]
+    version: int = 1
+
+    def graph(self) -> nx.DiGraph:
+        """Stage DAG; each edge carries ``port`` and ``link``."""
+        g = nx.DiGraph()
+        for name in self.stages:
+            g.add_node(name)
+        for name, spec in self.stages.items():
+            for port, upstream in spec.after.items():
+                g.add_edge(upstream, name, port=port, link=self.link(upstream, name))
+        return g
+
+    def link(self, upstream: str, downstream: str) -> str:
+        """``stream`` or ``materialize`` for the edge upstream -> downstream."""
+        spec = self.stages[downstream]
+        return spec.link or self.stages[upstream].cls.default_link
+
+    def order(self) -> list[str]:
+        """Stages in a topological order that keeps file order where the DAG allows."""
+        position = {name: i for i, name in enumerate(self.stages)}
+        return list(nx.lexicographical_topological_sort(self.graph(), key=position.__getitem__))
+
+    def downstream(self, name: str) -> list[str]:
+        return sorted(nx.descendants(self.graph(), name), key=self.order().index)
+
+    def consumers(self, name: str) -> list[str]:
+        return [d for d in self.order() if name in self.stages[d].after.values()]

@@ -1,0 +1,110 @@
+"""The stage contract: what a plugin subclasses, and what it is handed when it runs.
+
+A stage is a class with ``kind``, ``name``, a ``Config`` dataclass and a generator ``run``.
+Keeping the contract this small lets the runner put a stage in a thread, a process or the
+main thread, and link it to its neighbours by a queue or by stored artifacts, without the
+stage knowing which.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Iterator, Mapping
+
+LINKS = ("stream", "materialize")
+EXECUTORS = ("inline", "thread", "process")
+
+
+@dataclass
+class NoConfig:
+    """Config of a stage that takes no params."""
+
+
+class Stage:
+    """Base class of every stage implementation (built-in or third-party).
+
+    Subclasses set the class attributes and implement :meth:`run`. One instance is made per
+    run of the stage, in the executor that runs it (so ``__init__`` may hold device state).
+    """
+
+    kind: ClassVar[str] = ""
+    """Pipeline role this implementation can fill (``download``, ``tokenize``, …, or a new one)."""
+    name: ClassVar[str] = ""
+    """Implementation name, chosen in YAML with ``uses: kind:name`` or just ``uses: name``."""
+    version: ClassVar[str] = "1"
+    """Bump when the output for the same params changes: it invalidates cached artifacts."""
+    Config: ClassVar[type] = NoConfig
+    """Dataclass of the stage's ``params:``; validated against the YAML before anything runs."""
+    inputs: ClassVar[tuple[str, ...]] = ("items",)
+    """Input port names; ``()`` for a source stage."""
+    default_link: ClassVar[str] = "stream"
+    """How this stage's output reaches consumers unless the consumer's ``link:`` says otherwise."""
+    default_executor: ClassVar[str] = "thread"
+    """Where the stage runs unless the YAML's ``executor:`` says otherwise."""
+    always_run: ClassVar[bool] = False
+    """True for stages that read the outside world (e.g. download): never skipped as cached,
+    but their artifact digest is computed from content, so unchanged data keeps consumers fresh."""
+    cache_ignore: ClassVar[tuple[str, ...]] = ()
+    """Params that do not change the output (worker counts, progress intervals): left out of the cache key."""
+    needs_torch: ClassVar[bool] = False
+    """True if the stage imports torch; lets the runner resolve its ``device:`` (CUDA checks)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: "StageContext") -> Iterator[Any]:
+        """Consume ``inputs[port]`` iterables and yield output items as they are produced."""
+        raise NotImplementedError(f"{type(self).__name__}.run")
+
+
+@dataclass
+class StageContext:
+    """What the runner hands a stage: its settings, where to write, and how to report.
+
+    It is picklable (for process executors): the emitter is a plain callable the executor
+    replaces with a queue-backed one.
+    """
+
+    stage: str
+    """The stage's name in the pipeline file (``tokenize``), not the implementation's."""
+    config: Any
+    device: str = "cpu"
+    run_dir: str = "."
+    """Run directory (local path or fsspec URL) shared by all stages of the pipeline."""
+    work_dir: str = "."
+    """Directory for this stage's own files. For a materialized stage it is inside the artifact
+    being written, so files put here become part of the artifact (and are removed with it)."""
+    cache_dir: str = "."
+    """Persistent per-stage directory (``<run_dir>/cache/<stage>``) that survives across runs,
+    for work a re-run may skip (verified downloads)."""
+    rank: int = 0
+    world_size: int = 1
+    resume_state: dict[str, Any] | None = None
+    """This stage's state from the latest checkpoint when the run is resumed, else None."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """Stage-filled figures (records in/out, tokens, …): stored with the artifact and shown at the end."""
+    emitter: Any = None
+    stop_event: Any = None
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger(f"dflash_pipe.stage.{self.stage}")
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Send an event (``type``: progress, metrics, checkpoint, log, …) to the runner and hooks."""
+        if self.emitter is not None:
+            self.emitter(self.stage, event)
+
+    def progress(self, advance: int = 0, *, total: int | None = None, unit: str = "items",
+                 **counters: float) -> None:
+        """Report progress: ``advance`` items done, optional ``total`` and extra counters
+        (``tokens=…``, ``bytes=…``) that the display turns into rates."""
+        event: dict[str, Any] = {"type": "progress", "advance": advance, "unit": unit, **counters}
+        if total is not None:
+            event["total"] = total
+        self.emit(event)
+
+    def should_stop(self) -> bool:
+        """True once the runner asked every stage to stop (another stage failed)."""
+        return bool(self.stop_event is not None and self.stop_event.is_set())

@@ -1,0 +1,1 @@
+"""Built-in stage plugins, one module per stage kind; registered by :mod:`dflash_stages.plugin`."""

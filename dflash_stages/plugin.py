@@ -1,0 +1,16 @@
+"""Registers the built-in stages through the same hook third-party plugins use.
+
+Stage modules import torch/transformers only inside their functions, so importing them here
+keeps ``validate``/``list-stages`` fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_core import hookimpl
+
+
+@hookimpl
+def dflash_pipe_register_stages(registry: Any) -> None:
+    pass
