@@ -57,6 +57,11 @@ class Stage:
         """Consume ``inputs[port]`` iterables and yield output items as they are produced."""
         raise NotImplementedError(f"{type(self).__name__}.run")
 
+    @classmethod
+    def report(cls, summary: dict[str, Any]) -> Any:
+        """A rich renderable shown after the run from the stage's ``ctx.summary`` (or None)."""
+        return None
+
 
 @dataclass
 class StageContext:

@@ -1,0 +1,1 @@
+"""The ``dflash-pipe`` command line: one module per command, each with ``add_parser`` and ``run``."""

@@ -1,0 +1,79 @@
+"""Entry point: global options, dispatch, and the mapping of errors to exit codes.
+
+Exit codes: 0 ok, 1 a stage failed, 2 configuration error (bad pipeline file, plugin
+conflict), 4 refused (``--only``/``--from`` with missing or stale inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from dflash_core import __version__
+from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console,
+                                    setup_logging)
+
+COMMANDS = ["run", "resume", "validate", "list_stages", "plugins", "graph", "status", "export",
+            "evaluate", "plan"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-pipe", description=(
+        "Train DFlash speculative-decoding drafters online, as a DAG of stage plugins."))
+    parser.add_argument("--version", action="version", version=f"dflash-pipe {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=0)
+    common.add_argument("-q", "--quiet", action="store_true")
+    common.add_argument("--traceback", action="store_true", help="show Python tracebacks")
+    common.add_argument("-p", dest="plugin", action="append", metavar="MODULE|no:NAME",
+                        help="load a plugin module by import path, or disable plugin NAME")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"dflash_core.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"dflash_core.cli.{name}":
+                continue  # command not built in this version
+            raise
+        module.add_parser(sub, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
+    from dflash_core.errors import PipelineFileError
+    from dflash_core.plugins import PluginError
+    from dflash_core.runner import Refused, RunFailed
+
+    try:
+        return int(args.func(args) or 0)
+    except PipelineFileError as exc:
+        err_console.print(exc.format(), markup=False)
+        return EXIT_CONFIG
+    except PluginError as exc:
+        err_console.print(f"plugin error: {exc}", markup=False)
+        return EXIT_CONFIG
+    except Refused as exc:
+        err_console.print(f"refused: {exc}", markup=False)
+        return EXIT_REFUSED
+    except RunFailed as exc:
+        if args.traceback and exc.tb:
+            err_console.print(exc.tb, markup=False)
+        err_console.print(f"error: {exc}", markup=False)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return EXIT_FAILED
+    except Exception as exc:  # a bug or an environment problem: one line unless asked
+        if args.traceback:
+            traceback.print_exc()
+        err_console.print(f"error: {type(exc).__name__}: {exc}", markup=False)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

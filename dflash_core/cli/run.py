@@ -1,0 +1,79 @@
+"""``dflash-pipe run PIPELINE``: run the DAG (or part of it) and print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from rich.table import Table
+
+from dflash_core.cli.common import EXIT_OK, add_pipeline_args, console, load
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("run", parents=[common], help="run a pipeline")
+    add_pipeline_args(p)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--only", metavar="STAGE", help="run one stage from its stored inputs")
+    group.add_argument("--from", dest="from_stage", metavar="STAGE",
+                       help="run STAGE and everything downstream of it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would run and why; load no model, run nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue training from the latest complete checkpoint")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    pm, pipeline = load(args)
+    return execute(args, pm, pipeline)
+
+
+def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
+    from dflash_core.progress import make_display
+    from dflash_core.runner import Runner
+    from dflash_core.resume import resume_states
+
+    states = resume_states(pipeline.run_dir) if getattr(args, "resume", False) else {}
+    if getattr(args, "resume", False) and not states:
+        console.print("no complete checkpoint found: starting from the beginning")
+    runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,
+                    resume=bool(states), resume_states=states)
+    if args.dry_run:
+        print_plan(runner)
+        return EXIT_OK
+    display = make_display(quiet=args.quiet)
+    start = time.time()
+    try:
+        results = runner.run()
+    finally:
+        display.close()
+    if not args.quiet:
+        print_summary(pipeline, results, time.time() - start)
+    return EXIT_OK
+
+
+def print_plan(runner: Any) -> None:
+    table = Table(title=f"plan for {runner.p.path} (run dir {runner.p.run_dir})")
+    for col in ("stage", "implementation", "action", "why"):
+        table.add_column(col)
+    for entry in runner.plan():
+        table.add_row(entry.stage, runner.p.stages[entry.stage].impl, entry.action, entry.reason)
+    console.print(table)
+
+
+def print_summary(pipeline: Any, results: dict[str, Any], elapsed: float) -> None:
+    table = Table(title=f"run finished in {elapsed:.1f}s — run dir {pipeline.run_dir}")
+    for col in ("stage", "status", "time", "items", "key figures"):
+        table.add_column(col)
+    for stage, res in results.items():
+        took = f"{res.ended - res.started:.1f}s" if res.ended and res.started else "-"
+        figures = ", ".join(f"{k}={v}" for k, v in res.summary.items()
+                            if isinstance(v, (int, float, str)) and len(str(v)) < 60)
+        table.add_row(stage, res.status, took, f"{res.items:,}", figures[:120])
+    console.print(table)
+    for stage, res in results.items():
+        renderable = pipeline.stages[stage].cls.report(res.summary) if res.summary else None
+        if renderable is not None:
+            console.print(renderable)

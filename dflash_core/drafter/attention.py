@@ -1,0 +1,49 @@
+"""Attention over [context ; blocks] with the training mask: flex_attention or SDPA, one mask rule.
+
+``attn_backend``: "flex" (flex_attention + BlockMask; compiled on CUDA, eager on CPU where it has
+no backward), "sdpa" (dense boolean mask from the same mask function), "auto" = flex on CUDA,
+sdpa otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flex", "sdpa")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """auto -> flex on CUDA, sdpa elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attn_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_fn(compiled: bool) -> Any:
+    """flex_attention, compiled once per process (a fused kernel with backward on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend: str) -> torch.Tensor:
+    """q [Q, nh, d], k/v [KV, nkv, d] -> [Q, nh, d].
+
+    ``mask`` is a BlockMask for "flex" or a [Q, KV] bool tensor (True = attend) for "sdpa".
+    """
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if backend == "flex":
+        out = _flex_fn(q.device.type == "cuda")(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1])
+    else:
+        rep = qh.shape[1] // kh.shape[1]
+        if rep > 1:  # explicit GQA expansion keeps SDPA on its masked fused kernels on every torch version
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,115 @@
+"""The training attention mask: ONE mask function, two backends (flex block mask, dense SDPA mask).
+
+KV sequence = [context T ; blocks N*B]; queries = the N*B block slots. A query in block j (anchor
+row a_j, document d_j) sees
+  * context row kv iff doc(kv) == d_j and kv < a_j (strictly before the anchor; the anchor itself
+    is slot 0 of the block), and, in sliding layers, (a_j + slot) - kv < window;
+  * the B slots of its own block: all of them in full layers, slots <= its own in sliding layers
+    (and within the window);
+  * nothing of other blocks or of padding (context rows with doc id -1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class BlockLayout:
+    """Where the blocks sit in the row: what the mask function needs, nothing else.
+
+    ctx_doc: [T] document id of each context row (-1 = padding).
+    block_doc: [N] document of each block; block_start: [N] anchor row (context must be < it).
+    """
+
+    ctx_doc: torch.Tensor
+    block_doc: torch.Tensor
+    block_start: torch.Tensor
+    block_size: int
+
+    @property
+    def num_context(self) -> int:
+        return int(self.ctx_doc.shape[0])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_doc.shape[0])
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_context + self.q_len
+
+    def mask_mod(self, sliding_window: int | None = None) -> MaskMod:
+        """flex_attention-style ``(b, h, q_idx, kv_idx) -> bool``; also works on broadcast tensors.
+
+        Indices are clamped so that padded q/kv indices (flex rounds lengths up to its block size)
+        never index out of range; padded rows see nothing real and are discarded anyway.
+        """
+        T, B, N = self.num_context, self.block_size, self.num_blocks
+        # one trailing -1 so that a clamped kv >= T looks up "padding"
+        ctx_doc = torch.cat([self.ctx_doc, self.ctx_doc.new_full((1,), -1)])
+        block_doc, block_start = self.block_doc, self.block_start
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            blk = (q_idx // B).clamp(max=N - 1)
+            slot = q_idx % B
+            start = block_start[blk]
+            is_ctx = kv_idx < T
+            ctx_ok = is_ctx & (ctx_doc[kv_idx.clamp(max=T)] == block_doc[blk]) & (kv_idx < start)
+            kv_blk = (kv_idx - T) // B
+            kv_slot = (kv_idx - T) % B
+            blk_ok = ~is_ctx & (kv_blk == blk)
+            if sliding_window is not None:
+                ctx_ok = ctx_ok & (start + slot - kv_idx < sliding_window)
+                blk_ok = blk_ok & (kv_slot <= slot) & (slot - kv_slot < sliding_window)
+            return ctx_ok | blk_ok
+
+        return mask_mod
+
+    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[Q, T + Q] bool (True = attend), from the same mask function, for SDPA."""
+        dev = self.block_doc.device
+        q = torch.arange(self.q_len, device=dev)[:, None]
+        kv = torch.arange(self.kv_len, device=dev)[None, :]
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        return self.mask_mod(sliding_window)(zero, zero, q, kv)
+
+    def flex_block_mask(self, sliding_window: int | None = None, compile: bool = True):  # -> BlockMask
+        """A flex_attention BlockMask from the same mask function (compiled construction on CUDA)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        dev = self.block_doc.device
+        return create_block_mask(self.mask_mod(sliding_window), None, None, self.q_len, self.kv_len,
+                                 device=dev, _compile=compile and dev.type == "cuda")
+
+    def attended_pairs(self, sliding_window: int | None = None) -> int:
+        """Number of True entries of the mask (the P of the DESIGN §8 FLOP model), without building it."""
+        B, ctx = self.block_size, self.ctx_doc
+        if self.num_context:  # context rows of the anchor's document strictly before the anchor
+            starts = _doc_starts(ctx)
+            run = (torch.searchsorted(starts, self.block_start, right=True) - 1).clamp(min=0)
+            before = (self.block_start - starts[run]).clamp(min=0)
+        else:
+            before = torch.zeros_like(self.block_start)
+        if sliding_window is None:
+            return int(before.sum()) * B + self.num_blocks * B * B
+        slot = torch.arange(B, device=ctx.device)
+        visible = torch.minimum(before[:, None], (sliding_window - 1 - slot).clamp(min=0)[None, :])
+        in_block = torch.minimum(slot + 1, torch.full_like(slot, sliding_window))
+        return int(visible.sum()) + self.num_blocks * int(in_block.sum())
+
+
+def _doc_starts(ctx_doc: torch.Tensor) -> torch.Tensor:
+    """Row index where each run of equal doc ids starts (ascending)."""
+    change = torch.ones_like(ctx_doc, dtype=torch.bool)
+    change[1:] = ctx_doc[1:] != ctx_doc[:-1]
+    return change.nonzero().squeeze(1)

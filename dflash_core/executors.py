@@ -1,0 +1,200 @@
+"""Running one stage: in the caller's thread (inline), a worker thread, or a spawned process.
+
+:func:`drive` is the one loop every executor shares: build the stage, feed it its inputs,
+tee each yielded item to the artifact writer and the stream links, commit, report. Executors
+differ only in where that loop runs and how its events reach the runner.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from dflash_core.artifacts import ArtifactStore
+from dflash_core.links import Channel, StopRun
+from dflash_core.stage import Stage, StageContext
+
+
+@dataclass
+class ArtifactSource:
+    """An input read back from a committed artifact."""
+
+    run_dir: str
+    stage: str
+    key: str
+
+    def open(self, emit: Any, stop: Any) -> Iterator[Any]:
+        return ArtifactStore(self.run_dir).items(self.stage, self.key)
+
+
+@dataclass
+class ChannelSource:
+    channel: Channel
+
+    def open(self, emit: Any, stop: Any) -> Iterator[Any]:
+        return iter(self.channel)
+
+
+@dataclass
+class InlineSource:
+    """An ``inline`` upstream, run as a generator inside its consumer's thread."""
+
+    task: "StageTask"
+
+    def open(self, emit: Any, stop: Any) -> Iterator[Any]:
+        return drive(self.task, emit, stop)
+
+
+@dataclass
+class StageTask:
+    """Everything needed to run one stage, picklable for process executors."""
+
+    name: str
+    cls: type[Stage]
+    ctx: StageContext
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: list[Channel] = field(default_factory=list)
+    artifact_key: str | None = None
+    """Set when the output is materialized: the key it is written under."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Extra manifest fields (impl, params, upstream digests)."""
+
+
+class StageFailed(Exception):
+    """A stage raised; carries the stage's name and the formatted traceback."""
+
+    def __init__(self, stage: str, message: str, tb: str = "") -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage, self.message, self.tb = stage, message, tb
+
+
+def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
+    """Run ``task``'s stage, yield its items, commit its artifact, emit start/done events."""
+    ctx = task.ctx
+    ctx.emitter, ctx.stop_event = emit, stop
+    for ch in task.outputs:
+        ch.stop_event = stop
+    try:
+        inputs = {port: src.open(emit, stop) for port, src in task.inputs.items()}
+        for src in task.inputs.values():
+            if isinstance(src, ChannelSource):
+                src.channel.stop_event = stop
+        writer = (ArtifactStore(ctx.run_dir).writer(task.name, task.artifact_key)
+                  if task.artifact_key else None)
+        emit(task.name, {"type": "_start", "pid": os.getpid()})
+        stage = task.cls(ctx.config)
+        count = 0
+        for item in stage.run(inputs, ctx):
+            if writer is not None:
+                writer.add(item)
+            for ch in task.outputs:
+                ch.put(item)
+            count += 1
+            yield item
+            if stop is not None and stop.is_set():
+                raise StopRun()
+        for ch in task.outputs:
+            ch.close()
+        digest = writer.commit({**task.meta, "summary": ctx.summary}) if writer else None
+        emit(task.name, {"type": "_done", "items": count, "digest": digest,
+                         "summary": ctx.summary})
+    except (StopRun, StageFailed):
+        raise
+    except BaseException as exc:  # report every failure with the stage's name
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        raise StageFailed(task.name, message, traceback.format_exc()) from exc
+
+
+def _work(task: StageTask, emit: Any, stop: Any) -> None:
+    """Drain a stage whose items go to links/writer only; report failures as events."""
+    try:
+        for _ in drive(task, emit, stop):
+            pass
+    except StopRun:
+        emit(task.name, {"type": "_stopped"})
+    except StageFailed as exc:
+        emit(exc.stage, {"type": "_error", "message": exc.message, "traceback": exc.tb})
+
+
+class QueueEmitter:
+    """``ctx.emit`` backend: puts (stage, event) on a queue the runner drains."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    def __call__(self, stage: str, event: dict[str, Any]) -> None:
+        self.q.put((stage, event))
+
+
+class ThreadWorker:
+    def __init__(self, task: StageTask, events: "queue.Queue[Any]", stop: threading.Event) -> None:
+        self.name = task.name
+        self.thread = threading.Thread(target=_work, args=(task, QueueEmitter(events), stop),
+                                       name=f"stage-{task.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def exit_info(self) -> str:
+        return "thread ended"
+
+    def kill(self) -> None:
+        """Threads cannot be killed; they see the stop flag at their next wait."""
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+def _process_main(task: StageTask, events: Any, stop: Any) -> None:
+    parent = os.getppid()
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent
+
+    for ch in task.outputs:
+        ch.consumer_alive = parent_alive
+    for src in task.inputs.values():
+        if isinstance(src, ChannelSource):
+            src.channel.producer_alive = parent_alive
+    _work(task, QueueEmitter(events), stop)
+
+
+class ProcessWorker:
+    """A stage in a spawned process (never fork: CUDA state does not survive a fork)."""
+
+    def __init__(self, task: StageTask, events: Any, stop: Any) -> None:
+        self.name = task.name
+        self.process = mp.get_context("spawn").Process(
+            target=_process_main, args=(task, events, stop), name=f"stage-{task.name}", daemon=True)
+
+    def start(self) -> None:
+        self.process.start()
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_info(self) -> str:
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            import signal
+
+            try:
+                return f"process killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"process killed by signal {-code}"
+        return f"process exited with code {code}"
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)

@@ -1,0 +1,677 @@
+"""Read a pipeline file (plus ``--set`` overrides) into a validated :class:`Pipeline`.
+
+Every problem is collected, each at the ``file:line:col`` of the offending key or value, and
+raised together as one :class:`~dflash_core.errors.PipelineFileError` before anything runs.
+
+The file is read with ``yaml.safe_load`` semantics, but composed into a node tree first so
+that positions survive: ``_Node`` keeps each value with the mark of its key and of itself.
+
+File format (version 1)::
+
+    version: 1                      # required, must be 1
+    run_dir: runs/my_run            # optional; default runs/<pipeline file stem>. A relative
+                                    # path is relative to the current working directory (not
+                                    # to the pipeline file); fsspec URLs (s3://…) are kept as is
+    defaults: {device: cpu, executor: thread}   # optional, applied to every stage
+    stages:                         # non-empty mapping, in run order where the DAG allows
+      NAME: {uses, after, device, link, executor, params}
+
+``--set PATH=VALUE`` overrides (``stages.train.params.lr=3e-4``, ``run_dir=/tmp/x``) are
+applied to the tree before validation; VALUE is read with ``yaml.safe_load`` and errors in it
+are reported as ``--set:N:col`` (N = 1-based index of the override).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import networkx as nx
+import yaml
+
+from dflash_core.config_types import did_you_mean, plain, validate_params
+from dflash_core.devices import resolve_device
+from dflash_core.errors import ConfigError, PipelineFileError
+from dflash_core.pipeline import Mark, Pipeline, StageSpec
+from dflash_core.stage import EXECUTORS, LINKS, Stage
+
+VERSION = 1
+TOP_KEYS = ("version", "run_dir", "stages", "defaults")
+STAGE_KEYS = ("uses", "after", "device", "link", "executor", "params")
+DEFAULT_KEYS = ("device", "executor")
+SET_FILE = "--set"
+_STAGE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+# -- node tree with marks ------------------------------------------------------------------
+
+@dataclass
+class _Node:
+    """A YAML value with its position. ``value`` is a dict of ``_Node`` (mapping), a list of
+    ``_Node`` (sequence) or a plain scalar."""
+
+    value: Any
+    mark: Mark
+    kind: str = "scalar"  # scalar | map | seq
+    key_mark: Mark | None = None
+    """Mark of this value's key in its parent mapping (None for the root and list items)."""
+
+    @property
+    def is_map(self) -> bool:
+        return self.kind == "map"
+
+    @property
+    def at_key(self) -> Mark:
+        return self.key_mark or self.mark
+
+    def plain(self) -> Any:
+        if self.kind == "map":
+            return {k: v.plain() for k, v in self.value.items()}
+        if self.kind == "seq":
+            return [v.plain() for v in self.value]
+        return self.value
+
+    def describe(self) -> str:
+        if self.kind == "map":
+            return "a mapping"
+        if self.kind == "seq":
+            return "a list"
+        if self.value is None:
+            return "null"
+        return f"{type(self.value).__name__} {self.value!r}"
+
+
+class _Errors:
+    """Collects errors with the source line of each mark."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, list[str]] = {}
+        self.items: list[ConfigError] = []
+
+    def add(self, mark: Mark, message: str) -> None:
+        lines = self.sources.get(mark.file, [])
+        src = lines[mark.line - 1] if 0 < mark.line <= len(lines) else ""
+        err = ConfigError(mark.file, mark.line, mark.col, message, src)
+        if err not in self.items:
+            self.items.append(err)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            order = {f: i for i, f in enumerate(self.sources)}
+            errors = sorted(self.items, key=lambda e: (order.get(e.file, len(order)), e.line, e.col))
+            raise PipelineFileError(errors)
+
+
+class _Builder:
+    """Turns a composed YAML node into ``_Node``s, constructing scalars like ``safe_load``."""
+
+    def __init__(self, make_mark: Callable[[Any], Mark], errors: _Errors) -> None:
+        self.make_mark = make_mark
+        self.errors = errors
+        self.constructor = yaml.SafeLoader("")  # a SafeConstructor with resolver state
+
+    def build(self, node: yaml.Node, depth: int = 0) -> _Node:
+        mark = self.make_mark(node.start_mark)
+        if depth > 100:
+            self.errors.add(mark, "YAML nesting too deep (recursive alias?)")
+            return _Node(None, mark)
+        if isinstance(node, yaml.MappingNode):
+            try:
+                self.constructor.flatten_mapping(node)  # << merge keys, as safe_load does
+            except yaml.MarkedYAMLError as exc:
+                self.errors.add(mark, f"invalid YAML merge: {exc.problem}")
+            out: dict[Any, _Node] = {}
+            for key_node, value_node in node.value:
+                key_mark = self.make_mark(key_node.start_mark)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    self.errors.add(key_mark, "mapping keys must be plain scalars")
+                    continue
+                key = self.scalar(key_node)
+                try:
+                    hash(key)
+                except TypeError:
+                    self.errors.add(key_mark, f"unhashable mapping key {key!r}")
+                    continue
+                if key in out:
+                    first = out[key].at_key
+                    self.errors.add(key_mark, f"duplicate key '{key}' (first at line {first.line})")
+                    continue
+                child = self.build(value_node, depth + 1)
+                child.key_mark = key_mark
+                out[key] = child
+            return _Node(out, mark, "map")
+        if isinstance(node, yaml.SequenceNode):
+            return _Node([self.build(n, depth + 1) for n in node.value], mark, "seq")
+        return _Node(self.scalar(node), mark)
+
+    def scalar(self, node: yaml.Node) -> Any:
+        try:
+            return self.constructor.construct_object(node, deep=True)
+        except yaml.MarkedYAMLError as exc:
+            self.errors.add(self.make_mark(node.start_mark), f"invalid YAML value: {exc.problem}")
+            return None
+
+
+def _yaml_error(exc: yaml.YAMLError, make_mark: Callable[[Any], Mark], fallback: Mark,
+                errors: _Errors) -> None:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = make_mark(exc.problem_mark) if exc.problem_mark else fallback
+        message = f"invalid YAML: {exc.problem}"
+        if exc.context:
+            where = ""
+            if exc.context_mark is not None and exc.context_mark.line != getattr(
+                    exc.problem_mark, "line", None):
+                where = f" at line {exc.context_mark.line + 1}"
+            message += f" ({exc.context}{where})"
+    else:
+        mark, message = fallback, f"invalid YAML: {exc}"
+    errors.add(mark, message)
+
+
+def _compose(text: str, make_mark: Callable[[Any], Mark], fallback: Mark,
+             errors: _Errors) -> tuple[bool, _Node | None]:
+    """(ok, root) — root is None for an empty document."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        _yaml_error(exc, make_mark, fallback, errors)
+        return False, None
+    if node is None:
+        return True, None
+    return True, _Builder(make_mark, errors).build(node)
+
+
+# -- overrides -----------------------------------------------------------------------------
+
+@dataclass
+class _Override:
+    index: int
+    text: str
+    parts: list[tuple[str, Mark]] = field(default_factory=list)
+    value: _Node | None = None
+
+
+def _parse_override(index: int, text: str, errors: _Errors) -> _Override | None:
+    start = Mark(SET_FILE, index, 1)
+    path, eq, rhs = text.partition("=")
+    if not eq:
+        errors.add(start, f"--set needs PATH=VALUE, got '{text}'")
+        return None
+    ov = _Override(index, text)
+    col = 1
+    for part in path.split("."):
+        if not part.strip():
+            errors.add(Mark(SET_FILE, index, col), f"empty key in --set path '{path}'")
+            return None
+        ov.parts.append((part.strip(), Mark(SET_FILE, index, col + len(part) - len(part.lstrip()))))
+        col += len(part) + 1
+    offset = len(path) + 1
+
+    def make_mark(m: Any) -> Mark:
+        return Mark(SET_FILE, index, offset + 1 + (m.column if m.line == 0 else 0))
+
+    value_start = Mark(SET_FILE, index, offset + 1)
+    ok, node = _compose(rhs, make_mark, value_start, errors)
+    if not ok:
+        return None
+    ov.value = node if node is not None else _Node(None, value_start)
+    return ov
+
+
+def _apply_override(root: _Node, ov: _Override, errors: _Errors) -> None:
+    node = root
+    walked: list[str] = []
+    for depth, (key, key_mark) in enumerate(ov.parts):
+        last = depth == len(ov.parts) - 1
+        if not node.is_map:
+            where = ".".join(walked) or "the top level"
+            errors.add(key_mark, f"--set path goes through '{where}', which is "
+                                 f"{node.describe()}, not a mapping")
+            return
+        if key not in node.value:
+            if depth == 0 and key not in TOP_KEYS:
+                errors.add(key_mark, f"--set: unknown top-level key '{key}'"
+                                     f"{did_you_mean(key, TOP_KEYS)}")
+                return
+            if walked == ["stages"]:
+                errors.add(key_mark, f"--set: no stage '{key}'{did_you_mean(key, node.value)}")
+                return
+            # created; validated like any key of this mapping (unknown keys are reported here)
+            node.value[key] = (ov.value if last else _Node({}, key_mark, "map"))
+            node.value[key].key_mark = key_mark
+        elif last:
+            new = ov.value
+            new.key_mark = node.value[key].key_mark
+            node.value[key] = new
+        node = node.value[key]
+        walked.append(key)
+
+
+# -- validation ----------------------------------------------------------------------------
+
+def _known_kinds(plugins: Any) -> list[str]:
+    return plugins.registry.kinds()
+
+
+def _impls(plugins: Any, kind: str | None = None) -> list[str]:
+    return [f"{k}:{n}" for (k, n), _ in plugins.registry.items() if kind is None or k == kind]
+
+
+def _failed_note(plugins: Any) -> str:
+    failed = plugins.failed_plugins()
+    if not failed:
+        return ""
+    parts = [f"plugin '{p.name}' ({p.module}) failed to import: {p.error}" for p in failed]
+    return "; " + "; ".join(parts)
+
+
+class _Loader:
+    def __init__(self, path: str, plugins: Any, errors: _Errors) -> None:
+        self.path = path
+        self.plugins = plugins
+        self.errors = errors
+        self.classes: dict[str, type[Stage] | None] = {}
+
+    def err(self, mark: Mark, message: str) -> None:
+        self.errors.add(mark, message)
+
+    # top level --------------------------------------------------------------------------
+    def load(self, root: _Node | None) -> Pipeline | None:
+        start = Mark(self.path, 1, 1)
+        if root is None:
+            self.err(start, "empty pipeline file (expected a mapping with 'version: 1' and 'stages:')")
+            return None
+        if not root.is_map:
+            self.err(root.mark, f"the top level must be a mapping with 'version' and 'stages', "
+                                f"got {root.describe()}")
+            return None
+        top = root.value
+        for key, node in top.items():
+            if key not in TOP_KEYS:
+                hint = did_you_mean(key, TOP_KEYS) or f" (expected one of: {', '.join(TOP_KEYS)})"
+                self.err(node.at_key, f"unknown top-level key '{key}'{hint}")
+        version = self.version(top.get("version"), root)
+        run_dir = self.run_dir(top.get("run_dir"))
+        defaults = self.defaults(top.get("defaults"))
+        stages_node = top.get("stages")
+        if stages_node is None:
+            self.err(root.mark, "missing 'stages:' (a mapping of stage name -> settings)")
+            return None
+        if not stages_node.is_map or not stages_node.value:
+            what = "empty" if stages_node.is_map or stages_node.value is None \
+                else stages_node.describe()
+            self.err(stages_node.mark if stages_node.value is not None else stages_node.at_key,
+                     f"'stages' must be a non-empty mapping of stage name -> settings, got {what}")
+            return None
+        stage_nodes: dict[str, _Node] = {}
+        for name, node in stages_node.value.items():
+            if not isinstance(name, str) or not _STAGE_NAME_RE.match(name):
+                self.err(node.at_key, f"bad stage name {name!r} (use letters, digits, '_' or '-', "
+                                      "starting with a letter or '_')")
+                continue
+            stage_nodes[name] = node
+        # classes first: binding ports of a stage looks at its upstreams' kinds
+        for name, node in stage_nodes.items():
+            self.classes[name] = self.resolve_class(name, node)
+        specs = {}
+        for name, node in stage_nodes.items():
+            spec = self.stage(name, node, stage_nodes, defaults)
+            if spec is not None:
+                specs[name] = spec
+        self.cycles(stage_nodes)
+        if self.errors or version is None:
+            return None
+        return Pipeline(self.path, run_dir, specs, version)
+
+    def version(self, node: _Node | None, root: _Node) -> int | None:
+        if node is None:
+            self.err(root.mark, f"missing 'version: {VERSION}'")
+            return None
+        v = node.value
+        if node.kind != "scalar" or isinstance(v, bool) or not isinstance(v, int) or v != VERSION:
+            self.err(node.mark, f"unsupported pipeline file version {node.describe()} "
+                                f"(this dflash-pipe reads version {VERSION})")
+            return None
+        return v
+
+    def run_dir(self, node: _Node | None) -> str:
+        stem = os.path.splitext(os.path.basename(self.path))[0] or "pipeline"
+        default = os.path.join("runs", stem)
+        if node is None:
+            return default
+        if node.kind != "scalar" or not isinstance(node.value, str) or not node.value.strip():
+            self.err(node.mark, f"'run_dir' must be a non-empty string (a path or URL), "
+                                f"got {node.describe()}")
+            return default
+        return node.value
+
+    def defaults(self, node: _Node | None) -> dict[str, _Node]:
+        if node is None or (node.kind == "scalar" and node.value is None):
+            return {}
+        if not node.is_map:
+            self.err(node.mark, f"'defaults' must be a mapping (device, executor), "
+                                f"got {node.describe()}")
+            return {}
+        out = {}
+        for key, value in node.value.items():
+            if key not in DEFAULT_KEYS:
+                hint = did_you_mean(key, DEFAULT_KEYS) or \
+                    f" (expected one of: {', '.join(DEFAULT_KEYS)})"
+                self.err(value.at_key, f"unknown key '{key}' in 'defaults'{hint}")
+                continue
+            out[key] = value
+        if "executor" in out and self.choice(out["executor"], "executor", EXECUTORS) is None:
+            del out["executor"]
+        if "device" in out:
+            device = self.device(out["device"])
+            if device is None:
+                del out["device"]
+            else:
+                out["device"] = _Node(device, out["device"].mark)
+        return out
+
+    # one stage ---------------------------------------------------------------------------
+    def resolve_class(self, name: str, node: _Node) -> type[Stage] | None:
+        if node.kind == "scalar" and node.value is None:
+            node.kind, node.value = "map", {}
+        if not node.is_map:
+            self.err(node.mark, f"stage '{name}' must be a mapping (uses, after, device, link, "
+                                f"executor, params), got {node.describe()}")
+            return None
+        uses_node = node.value.get("uses")
+        registry = self.plugins.registry
+        failed = _failed_note(self.plugins)
+        if uses_node is None:
+            impls = _impls(self.plugins, name)
+            if len(impls) == 1:
+                kind, impl = impls[0].split(":", 1)
+                return registry.get(kind, impl)
+            if not impls:
+                self.err(node.at_key, f"stage '{name}' has no 'uses' and there is no stage kind "
+                                      f"'{name}'{did_you_mean(name, _known_kinds(self.plugins))}; "
+                                      f"available: {', '.join(_impls(self.plugins)) or 'none'}"
+                                      f"{failed}")
+            else:
+                self.err(node.at_key, f"stage kind '{name}' has several implementations; "
+                                      f"choose one with 'uses:': {', '.join(impls)}")
+            return None
+        uses = uses_node.value
+        if uses_node.kind != "scalar" or not isinstance(uses, str) or not uses.strip():
+            self.err(uses_node.mark, f"'uses' must be a string (kind:name or name), "
+                                     f"got {uses_node.describe()}")
+            return None
+        uses = uses.strip()
+        matches = registry.resolve(uses, kind_hint=name)
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            choices = ", ".join(sorted(f"{c.kind}:{c.name}" for c in matches))
+            self.err(uses_node.mark, f"ambiguous stage implementation '{uses}': "
+                                     f"write one of {choices}")
+            return None
+        kind, _, impl = uses.rpartition(":")
+        kind = kind or name
+        if kind in _known_kinds(self.plugins):
+            available = _impls(self.plugins, kind)
+            label = f"available for kind '{kind}'"
+        else:
+            available = _impls(self.plugins)
+            label = "available"
+        names = available + [a.split(":", 1)[1] for a in available]
+        self.err(uses_node.mark, f"unknown stage implementation '{uses}'{did_you_mean(uses, names)}; "
+                                 f"{label}: {', '.join(available) or 'none'}{failed}")
+        return None
+
+    def stage(self, name: str, node: _Node, stage_nodes: dict[str, _Node],
+              defaults: dict[str, _Node]) -> StageSpec | None:
+        if not node.is_map:
+            return None
+        body = node.value
+        for key, value in body.items():
+            if key not in STAGE_KEYS:
+                hint = did_you_mean(key, STAGE_KEYS) or f" (expected one of: {', '.join(STAGE_KEYS)})"
+                self.err(value.at_key, f"unknown key '{key}' in stage '{name}'{hint}")
+        cls = self.classes.get(name)
+        after = self.after(name, node, body.get("after"), cls, stage_nodes)
+        link = self.choice(body["link"], "link", LINKS) if "link" in body else None
+        executor_node = body.get("executor", defaults.get("executor"))
+        executor = (self.choice(executor_node, "executor", EXECUTORS)
+                    if executor_node is not None else None)
+        if "device" in body:
+            device = self.device(body["device"])
+        else:
+            device = defaults["device"].value if "device" in defaults else "cpu"
+        config, params = None, {}
+        if cls is not None:
+            config, params = self.params(name, node, body.get("params"), cls)
+        if cls is None or config is None or after is None or device is None:
+            return None
+        if ("link" in body and link is None) or (executor_node is not None and executor is None):
+            return None
+        uses = body["uses"].value.strip() if "uses" in body else name
+        return StageSpec(name=name, uses=uses, cls=cls, config=config, params=params, after=after,
+                         device=device, link=link, executor=executor or cls.default_executor,
+                         mark=node.at_key)
+
+    def choice(self, node: _Node, key: str, allowed: Sequence[str]) -> str | None:
+        if node.kind == "scalar" and isinstance(node.value, str) and node.value in allowed:
+            return node.value
+        shown = f"'{node.value}'" if isinstance(node.value, str) else node.describe()
+        hint = did_you_mean(node.value, allowed) if isinstance(node.value, str) else ""
+        self.err(node.mark, f"'{key}' must be one of {', '.join(allowed)}, got {shown}{hint}")
+        return None
+
+    def device(self, node: _Node) -> str | None:
+        if node.kind != "scalar" or not isinstance(node.value, str):
+            self.err(node.mark, f"'device' must be a string (cpu, cuda, cuda:N, mps), "
+                                f"got {node.describe()}")
+            return None
+        try:
+            return resolve_device(node.value, self.plugins.hook)
+        except ValueError as exc:
+            self.err(node.mark, str(exc))
+            return None
+
+    def after(self, name: str, node: _Node, after: _Node | None, cls: type[Stage] | None,
+              stage_nodes: dict[str, _Node]) -> dict[str, str] | None:
+        """Input port -> upstream stage, or None after reporting errors."""
+        entries: list[tuple[str | None, str, _Node]] = []  # (explicit port, upstream, node)
+        ok = True
+        if after is None or (after.kind == "scalar" and after.value is None):
+            pass
+        elif after.kind == "scalar" and isinstance(after.value, str):
+            entries.append((None, after.value, after))
+        elif after.kind == "seq":
+            for item in after.value:
+                if item.kind == "scalar" and isinstance(item.value, str):
+                    entries.append((None, item.value, item))
+                else:
+                    self.err(item.mark, f"'after' items must be stage names, got {item.describe()}")
+                    ok = False
+        elif after.is_map:
+            for port, item in after.value.items():
+                if item.kind == "scalar" and isinstance(item.value, str):
+                    entries.append((str(port), item.value, item))
+                else:
+                    self.err(item.mark, f"'after' maps input port -> stage name, "
+                                        f"got {item.describe()} for port '{port}'")
+                    ok = False
+        else:
+            self.err(after.mark, f"'after' must be a stage name, a list of names or a mapping "
+                                 f"port -> name, got {after.describe()}")
+            return None
+        seen: set[str] = set()
+        for port, upstream, item in entries:
+            if upstream == name:
+                self.err(item.mark, f"stage '{name}' lists itself in 'after' (a stage cannot "
+                                    "consume its own output)")
+                ok = False
+            elif upstream not in stage_nodes:
+                others = [s for s in stage_nodes if s != name]
+                self.err(item.mark, f"missing upstream: no stage '{upstream}'"
+                                    f"{did_you_mean(upstream, others)} (stages: {', '.join(others)})")
+                ok = False
+            elif upstream in seen and port is None:
+                self.err(item.mark, f"stage '{upstream}' is listed twice in 'after'")
+                ok = False
+            seen.add(upstream)
+        if cls is None:
+            return None
+        ports = list(cls.inputs)
+        impl = f"{cls.kind}:{cls.name}"
+        if not ports:
+            if entries:
+                self.err(after.at_key, f"stage '{name}' ({impl}) is a source stage and takes no "
+                                       "'after'")
+                return None
+            return {} if ok else None
+        if not ok:
+            return None
+        bound: dict[str, str] = {}
+        pending: list[tuple[str, _Node]] = []
+        for port, upstream, item in entries:
+            if port is None:
+                pending.append((upstream, item))
+                continue
+            if port not in ports:
+                self.err(item.at_key,
+                         f"{impl} has no input port '{port}'{did_you_mean(port, ports)} "
+                         f"(ports: {', '.join(ports)})")
+                ok = False
+                continue
+            bound[port] = upstream
+        still: list[tuple[str, _Node]] = []
+        for upstream, item in pending:  # a port named like the upstream stage or its kind
+            up_cls = self.classes.get(upstream)
+            candidates = [upstream] + ([up_cls.kind] if up_cls is not None else [])
+            port = next((p for p in candidates if p in ports and p not in bound), None)
+            if port is None:
+                still.append((upstream, item))
+            else:
+                bound[port] = upstream
+        for upstream, item in still:
+            free = [p for p in ports if p not in bound]
+            if len(free) == 1:
+                bound[free[0]] = upstream
+            elif not free:
+                self.err(item.mark, f"stage '{upstream}' has no free input port of '{name}' "
+                                    f"({impl} ports: {', '.join(ports)}, all bound)")
+                ok = False
+            else:
+                self.err(item.mark, f"cannot tell which input port of '{name}' ({impl}) "
+                                    f"'{upstream}' feeds: write after: {{PORT: {upstream}}} "
+                                    f"with PORT one of {', '.join(free)}")
+                ok = False
+        if not ok:
+            return None
+        missing = [p for p in ports if p not in bound]
+        if missing:
+            mark = after.at_key if after is not None else node.at_key
+            for port in missing:
+                self.err(mark, f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
+                               f"(add after: {{{port}: STAGE}})" if len(ports) > 1 else
+                         f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
+                         f"(add 'after: STAGE')")
+            return None
+        return {p: bound[p] for p in ports}
+
+    def params(self, name: str, node: _Node, params: _Node | None,
+               cls: type[Stage]) -> tuple[Any, dict[str, Any]]:
+        impl = f"{cls.kind}:{cls.name}"
+        # whole-mapping problems (missing field, __post_init__) point at the ``params:`` key,
+        # or at the stage's key when it has no params
+        home = params.at_key if params is not None else node.at_key
+
+        def mark_of(path: tuple, where: str) -> Mark:
+            cur, mark = params, home
+            for key in path:
+                if cur is None or cur.kind == "scalar":
+                    break
+                if cur.is_map:
+                    nxt = cur.value.get(key)
+                else:
+                    nxt = cur.value[key] if isinstance(key, int) and key < len(cur.value) else None
+                if nxt is None:
+                    break
+                cur, mark = nxt, (nxt.at_key if where == "key" or nxt.is_map else nxt.mark)
+            return mark
+
+        raw = params.plain() if params is not None else {}
+        config, errors = validate_params(cls.Config, raw, mark_of, owner=impl)
+        for mark, message in errors:
+            self.err(mark, message)
+        if config is None:
+            return None, {}
+        given = raw if isinstance(raw, dict) else {}
+        return config, {k: plain(getattr(config, k)) for k in given if hasattr(config, k)}
+
+    # cycles ------------------------------------------------------------------------------
+    def cycles(self, stage_nodes: dict[str, _Node]) -> None:
+        g = nx.DiGraph()
+        refs: dict[tuple[str, str], _Node] = {}
+        for name, node in stage_nodes.items():
+            g.add_node(name)
+            after = node.value.get("after") if node.is_map else None
+            if after is None:
+                continue
+            items = ([after] if after.kind == "scalar" else
+                     after.value if after.kind == "seq" else list(after.value.values()))
+            for item in items:
+                up = item.value
+                if isinstance(up, str) and up in stage_nodes and up != name:
+                    g.add_edge(up, name)
+                    refs.setdefault((up, name), item)
+        position = {n: i for i, n in enumerate(stage_nodes)}
+        for cycle in sorted(nx.simple_cycles(g), key=lambda c: sorted(position[n] for n in c)):
+            first = min(cycle, key=position.__getitem__)
+            i = cycle.index(first)
+            cycle = cycle[i:] + cycle[:i]  # cycle[k] -> cycle[k+1]; `first` consumes cycle[-1]
+            path = " -> ".join(cycle + [first])
+            self.err(refs[(cycle[-1], first)].mark, f"cycle in 'after': {path}")
+
+
+# -- entry points --------------------------------------------------------------------------
+
+def load_pipeline(path: str | os.PathLike[str], plugins: Any,
+                  overrides: Iterable[str] = ()) -> Pipeline:
+    """Read, override and validate a pipeline file; raise ``PipelineFileError`` with every
+    problem found. ``plugins`` is a :class:`~dflash_core.plugins.PluginManager`."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PipelineFileError([ConfigError(path, 1, 1, f"cannot read pipeline file: {reason}")])
+    return load_pipeline_text(text, plugins, overrides, path=path)
+
+
+def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
+                       path: str = "<pipeline>") -> Pipeline:
+    """Like :func:`load_pipeline` for text already read (``path`` is used in messages and for
+    the default ``run_dir``)."""
+    errors = _Errors()
+    errors.sources[path] = text.splitlines()
+    overrides = list(overrides)
+    errors.sources[SET_FILE] = overrides
+
+    def make_mark(m: Any) -> Mark:
+        return Mark(path, m.line + 1, m.column + 1)
+
+    ok, root = _compose(text, make_mark, Mark(path, 1, 1), errors)
+    parsed = [_parse_override(i, text_, errors) for i, text_ in enumerate(overrides, start=1)]
+    if not ok:
+        errors.raise_if_any()
+    if root is not None and root.is_map:
+        for ov in parsed:
+            if ov is not None:
+                _apply_override(root, ov, errors)
+    pipeline = _Loader(path, plugins, errors).load(root)
+    errors.raise_if_any()
+    assert pipeline is not None
+    return pipeline

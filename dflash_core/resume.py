@@ -1,0 +1,34 @@
+"""Where ``--resume`` finds each stage's saved state: the latest complete checkpoint.
+
+The checkpoint stage writes ``<run_dir>/checkpoints/<step>/pipeline_state.json`` (a map
+stage -> state) and points ``<run_dir>/checkpoints/latest`` at the directory only once the
+checkpoint is complete, so a crash mid-save leaves the previous one as latest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_core.artifacts import join, read_json
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest.json"
+PIPELINE_STATE = "pipeline_state.json"
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """URL/path of the latest complete checkpoint directory, or None."""
+    pointer = read_json(join(run_dir, CHECKPOINTS, LATEST))
+    return join(run_dir, CHECKPOINTS, pointer["name"]) if pointer else None
+
+
+def resume_states(run_dir: str) -> dict[str, Any]:
+    """Per-stage states saved with the latest complete checkpoint ({} if none)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return {}
+    states = read_json(join(ckpt, PIPELINE_STATE)) or {}
+    for state in states.values():
+        if isinstance(state, dict):
+            state.setdefault("checkpoint", ckpt)
+    return states

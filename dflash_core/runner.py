@@ -1,0 +1,425 @@
+"""Runs a validated pipeline: decides what must run, links the stages, supervises them.
+
+Scheduling is lazy: a stage is launched once its materialized inputs are committed, because
+only then is its artifact key known (a download that found nothing new keeps tokenize
+cached). Stream-linked stages run concurrently and the main thread only supervises: it
+drains events, watches for dead workers and stops everything on the first failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_core.artifacts import ArtifactStore, join
+from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
+                                   StageTask, ThreadWorker)
+from dflash_core.links import Channel
+from dflash_core.pipeline import Pipeline
+from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
+                                  semantic_params, stage_key)
+from dflash_core.stage import StageContext
+
+QUEUE_BOUND = 8
+STOP_GRACE_S = 1.0
+
+
+class Refused(Exception):
+    """``--only``/``--from`` cannot run: an input is missing, stale or streamed (exit 4)."""
+
+
+class RunFailed(Exception):
+    """A stage failed; ``stage`` names it and ``tb`` holds its traceback."""
+
+    def __init__(self, stage: str, message: str, tb: str = "") -> None:
+        super().__init__(f"stage '{stage}' failed: {message}")
+        self.stage, self.message, self.tb = stage, message, tb
+
+
+@dataclass
+class PlanEntry:
+    stage: str
+    action: str
+    """run | cached? | from-artifact | skip"""
+    reason: str
+
+
+@dataclass
+class StageResult:
+    stage: str
+    status: str = "pending"
+    """pending | running | done | cached | failed | stopped"""
+    items: int = 0
+    digest: str | None = None
+    key: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    started: float = 0.0
+    ended: float = 0.0
+
+
+class Runner:
+    def __init__(self, pipeline: Pipeline, plugins: Any, *, only: str | None = None,
+                 from_stage: str | None = None, resume: bool = False,
+                 display: Any = None, queue_bound: int = QUEUE_BOUND,
+                 resume_states: dict[str, Any] | None = None) -> None:
+        self.p = pipeline
+        self.plugins = plugins
+        self.only, self.from_stage, self.resume = only, from_stage, resume
+        self.display = display
+        self.queue_bound = queue_bound
+        self.store = ArtifactStore(pipeline.run_dir)
+        self.record = RunRecord(pipeline.run_dir)
+        self.resume_states = resume_states or {}
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
+    # ---------------------------------------------------------------- planning
+    def selected(self) -> list[str]:
+        """Stages this invocation runs, in order."""
+        order = self.p.order()
+        for flag, name in (("--only", self.only), ("--from", self.from_stage)):
+            if name is not None and name not in self.p.stages:
+                raise Refused(f"{flag} {name}: no such stage (stages: {', '.join(order)})")
+        if self.only:
+            return [self.only]
+        if self.from_stage:
+            chosen = {self.from_stage, *self.p.downstream(self.from_stage)}
+            return [s for s in order if s in chosen]
+        return order
+
+    def external_inputs(self, statuses: dict[str, StageStatus]) -> dict[str, StageStatus]:
+        """Upstreams of selected stages that are not selected: they must be fresh artifacts."""
+        chosen = set(self.selected())
+        needed: dict[str, StageStatus] = {}
+        for stage in chosen:
+            for upstream in self.p.stages[stage].after.values():
+                if upstream in chosen:
+                    continue
+                st = statuses[upstream]
+                if self.p.link(upstream, stage) == "stream" or st.state == "streamed":
+                    raise Refused(
+                        f"cannot run '{stage}' alone: its input '{upstream}' is streamed, not "
+                        f"materialized (run the whole pipeline, or set 'link: materialize' on "
+                        f"'{stage}')")
+                if st.state != "fresh":
+                    raise Refused(f"cannot run '{stage}': its input '{upstream}' is {st.state}: "
+                                  f"{st.cause} (run 'dflash-pipe run' without --only first)")
+                needed[upstream] = st
+        return needed
+
+    def plan(self) -> list[PlanEntry]:
+        """What ``run`` would do and why, without running or loading anything."""
+        statuses = analyse(self.p, self.store, self.record)
+        external = self.external_inputs(statuses)
+        chosen = self.selected()
+        out: list[PlanEntry] = []
+        for stage in self.p.order():
+            spec = self.p.stages[stage]
+            st = statuses[stage]
+            if stage in external:
+                out.append(PlanEntry(stage, "from-artifact", f"fresh artifact {st.key}"))
+            elif stage not in chosen:
+                out.append(PlanEntry(stage, "skip", "not selected"))
+            elif self.only:
+                out.append(PlanEntry(stage, "run", "--only"))
+            elif spec.cls.always_run:
+                out.append(PlanEntry(stage, "run", "reads the outside world: always checked"))
+            elif st.state == "fresh":
+                out.append(PlanEntry(stage, "cached", f"fresh artifact {st.key}"))
+            else:
+                out.append(PlanEntry(stage, "run", st.cause))
+        return out
+
+    # ----------------------------------------------------------------- running
+    def run(self) -> dict[str, StageResult]:
+        statuses = analyse(self.p, self.store, self.record)
+        external = self.external_inputs(statuses)
+        chosen = self.selected()
+        lock = RunLock(self.p.run_dir, self.store)
+        lock.acquire()
+        try:
+            return _Supervisor(self, chosen, external).run()
+        finally:
+            lock.release()
+
+    def _fire(self, name: str, **kwargs: Any) -> None:
+        if self.plugins is not None:
+            getattr(self.plugins.hook, name)(**kwargs)
+
+
+class _Supervisor:
+    """One run: channels, workers, the event loop and shutdown."""
+
+    def __init__(self, runner: Runner, chosen: list[str],
+                 external: dict[str, StageStatus]) -> None:
+        self.r = runner
+        self.p = runner.p
+        self.chosen = chosen
+        self.digests: dict[str, str] = {s: st.digest for s, st in external.items() if st.digest}
+        self.keys: dict[str, str] = {s: st.key for s, st in external.items() if st.key}
+        self.results = {s: StageResult(s) for s in chosen}
+        self.uses_process = any(self._executor(s) == "process" for s in chosen)
+        ctx = mp.get_context("spawn")
+        self.stop: Any = ctx.Event() if self.uses_process else threading.Event()
+        self.thread_events: queue.Queue[Any] = queue.Queue()
+        self.proc_events: Any = ctx.Queue() if self.uses_process else None
+        self.channels = self._make_channels(ctx)
+        self.workers: dict[str, Any] = {}
+        self.fused: dict[str, str] = {}
+        """inline stage -> the consumer whose thread runs it"""
+        self.failures: list[tuple[str, str, str]] = []
+
+    # which executor a stage really gets: inline is fused into its single stream consumer
+    def _executor(self, stage: str) -> str:
+        spec = self.p.stages[stage]
+        if spec.executor != "inline":
+            return spec.executor
+        consumers = [c for c in self.p.consumers(stage) if c in self.chosen]
+        if (len(consumers) == 1 and self.p.link(stage, consumers[0]) == "stream"
+                and self._executor(consumers[0]) != "process"):
+            return "inline"
+        return "thread"
+
+    def _make_channels(self, ctx: Any) -> dict[tuple[str, str], Channel]:
+        channels = {}
+        for stage in self.chosen:
+            for upstream in self.p.stages[stage].after.values():
+                if upstream not in self.chosen or self.p.link(upstream, stage) != "stream":
+                    continue
+                if self._executor(upstream) == "inline":
+                    continue
+                crosses = "process" in (self._executor(upstream), self._executor(stage))
+                q = ctx.Queue(self.r.queue_bound) if crosses else queue.Queue(self.r.queue_bound)
+                channels[(upstream, stage)] = Channel(upstream, stage, q, self.r.queue_bound)
+        return channels
+
+    # ------------------------------------------------------------------ launch
+    def _ready(self, stage: str) -> bool:
+        for upstream in self.p.stages[stage].after.values():
+            if self.p.link(upstream, stage) == "materialize" and upstream not in self.digests:
+                return False
+        return True
+
+    def _task(self, stage: str) -> StageTask:
+        spec = self.p.stages[stage]
+        upstream_digests: dict[str, str] = {}
+        inputs: dict[str, Any] = {}
+        for port, upstream in spec.after.items():
+            if (upstream, stage) in self.channels:
+                inputs[port] = ChannelSource(self.channels[(upstream, stage)])
+                upstream_digests[upstream] = "stream"
+            elif upstream in self.chosen and self._executor(upstream) == "inline":
+                inputs[port] = InlineSource(self._task(upstream))
+                self.fused[upstream] = stage
+                upstream_digests[upstream] = "stream"
+            else:
+                inputs[port] = ArtifactSource(self.p.run_dir, upstream, self.keys[upstream])
+                upstream_digests[upstream] = self.digests[upstream]
+        key = stage_key(self.p, stage, upstream_digests)
+        if "stream" in upstream_digests.values():
+            key = f"{key[:12]}-{int(time.time() * 1000) % 10**8:08d}"  # never reused
+        materialized = is_materialized(self.p, stage)
+        run_dir = self.p.run_dir
+        work_dir = (self.r.store.dir(stage, key) if materialized else join(run_dir, "work", stage))
+        cache_dir = join(run_dir, "cache", stage)
+        for d in (work_dir, cache_dir):
+            if "://" not in d:
+                os.makedirs(d, exist_ok=True)
+        ctx = StageContext(stage=stage, config=spec.config, device=spec.device, run_dir=run_dir,
+                           work_dir=work_dir, cache_dir=cache_dir, rank=self.r.rank,
+                           world_size=self.r.world_size,
+                           resume_state=self.r.resume_states.get(stage))
+        outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
+        meta = {"impl": spec.impl, "version": spec.cls.version,
+                "params": semantic_params(self.p, stage), "upstream": upstream_digests}
+        self.keys[stage] = key
+        return StageTask(stage, spec.cls, ctx, inputs, outputs,
+                         key if materialized else None, meta)
+
+    def _cached(self, stage: str) -> bool:
+        """Skip a fresh stage (plain ``run`` only) and replay its artifact to stream consumers."""
+        spec = self.p.stages[stage]
+        if self.r.only or spec.cls.always_run or not is_materialized(self.p, stage):
+            return False
+        if any(self.p.link(u, stage) == "stream" for u in spec.after.values()):
+            return False
+        upstream = {u: self.digests[u] for u in spec.after.values()}
+        key = stage_key(self.p, stage, upstream)
+        manifest = self.r.store.manifest(stage, key)
+        if manifest is None:
+            return False
+        self.keys[stage], self.digests[stage] = key, manifest["digest"]
+        res = self.results[stage]
+        res.status, res.key, res.digest = "cached", key, manifest["digest"]
+        res.items, res.summary = manifest.get("items", 0), manifest.get("summary", {})
+        outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
+        if outputs:
+            threading.Thread(target=_replay, args=(self.r.store, stage, key, outputs, self.stop),
+                             daemon=True).start()
+        self._notify_done(stage, "cached")
+        return True
+
+    def _launch(self, stage: str) -> None:
+        if self._cached(stage):
+            return
+        if self._executor(stage) == "inline":
+            return  # runs inside its consumer's worker
+        task = self._task(stage)
+        executor = self._executor(stage)
+        if executor == "process":
+            worker: Any = ProcessWorker(task, self.proc_events, self.stop)
+        else:
+            worker = ThreadWorker(task, self.thread_events, self.stop)
+        self.workers[stage] = worker
+        self._wire_liveness(stage, worker)
+        spec = self.p.stages[stage]
+        self.r._fire("dflash_pipe_before_stage", stage=stage, kind=spec.cls.kind,
+                     impl=spec.impl, device=spec.device)
+        res = self.results[stage]
+        res.status, res.started, res.key = "running", time.time(), task.artifact_key
+        if self.r.display:
+            self.r.display.stage_started(stage)
+        worker.start()
+
+    def _wire_liveness(self, stage: str, worker: Any) -> None:
+        for (up, down), ch in self.channels.items():
+            if up == stage:
+                ch.producer_alive = worker.alive
+            if down == stage:
+                ch.consumer_alive = worker.alive
+
+    # -------------------------------------------------------------- event loop
+    def run(self) -> dict[str, StageResult]:
+        pending = list(self.chosen)
+        try:
+            while True:
+                for stage in list(pending):
+                    if self._ready(stage):
+                        pending.remove(stage)
+                        self._launch(stage)
+                self._drain(0.05)
+                self._check_workers()
+                if self.failures:
+                    break
+                if not pending and all(
+                        self.results[s].status in ("done", "cached") for s in self.chosen):
+                    break
+                if self.r.display:
+                    self.r.display.queues({f"{u}->{d}": (ch.fill(), ch.bound)
+                                           for (u, d), ch in self.channels.items()})
+        except KeyboardInterrupt:
+            self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
+        if self.failures:
+            self._shutdown()
+        return self.results
+
+    def _drain(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while True:
+            got = False
+            for q in (self.thread_events, self.proc_events):
+                if q is None:
+                    continue
+                try:
+                    stage, event = q.get_nowait()
+                except (queue.Empty, OSError, ValueError):
+                    continue
+                got = True
+                self._on_event(stage, event)
+            if not got:
+                if time.time() >= deadline:
+                    return
+                time.sleep(0.01)
+
+    def _on_event(self, stage: str, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        res = self.results.get(stage)
+        if kind == "_start" and res is not None and stage in self.fused:
+            res.status, res.started = "running", time.time()
+            if self.r.display:
+                self.r.display.stage_started(stage)
+        elif kind == "_done" and res is not None:
+            res.status, res.ended = "done", time.time()
+            res.items, res.digest, res.summary = event["items"], event["digest"], event["summary"]
+            if res.digest:
+                self.digests[stage] = res.digest
+                spec = self.p.stages[stage]
+                self.r.record.record(stage, {
+                    "key": self.keys[stage], "digest": res.digest, "impl": spec.impl,
+                    "version": spec.cls.version, "params": semantic_params(self.p, stage),
+                    "upstream": {u: self.digests.get(u, "stream") for u in spec.after.values()},
+                    "items": res.items, "finished": res.ended})
+            self._notify_done(stage, "done")
+        elif kind == "_error":
+            if res is not None:
+                res.status = "failed"
+            self.failures.append((stage, event["message"], event.get("traceback", "")))
+            self.r._fire("dflash_pipe_on_stage_error", stage=stage,
+                         error=RuntimeError(event["message"]))
+        elif kind == "_stopped":
+            if res is not None and res.status == "running":
+                res.status = "stopped"
+        else:
+            if kind == "checkpoint":
+                self.r._fire("dflash_pipe_checkpoint_saved", stage=stage,
+                             step=int(event.get("step", 0)), path=str(event.get("path", "")))
+            self.r._fire("dflash_pipe_on_event", stage=stage, event=event)
+            if self.r.display:
+                self.r.display.event(stage, event)
+
+    def _notify_done(self, stage: str, status: str) -> None:
+        res = self.results[stage]
+        self.r._fire("dflash_pipe_after_stage", stage=stage, status=status, summary=res.summary)
+        if self.r.display:
+            self.r.display.stage_done(stage, status, res)
+
+    def _check_workers(self) -> None:
+        for stage, worker in self.workers.items():
+            if worker.alive() or self.results[stage].status in ("done", "failed", "stopped"):
+                continue
+            self._drain(0.2)  # its last events may still be in flight
+            if self.results[stage].status not in ("done", "failed", "stopped"):
+                self.results[stage].status = "failed"
+                self.failures.append((stage, f"died without finishing ({worker.exit_info()})", ""))
+
+    def _shutdown(self) -> None:
+        self._check_workers()  # a killed process is the cause, not its peer's PeerDied
+        self.stop.set()
+        deadline = time.time() + STOP_GRACE_S
+        for worker in self.workers.values():
+            worker.join(max(0.0, deadline - time.time()))
+        for stage, worker in self.workers.items():
+            if worker.alive():
+                worker.kill()
+                worker.join(1.0)
+            if self.results[stage].status == "running":
+                self.results[stage].status = "stopped"
+        self._drain(0.05)
+        stage, message, tb = _root_cause(self.failures)
+        raise RunFailed(stage, message, tb)
+
+
+def _root_cause(failures: list[tuple[str, str, str]]) -> tuple[str, str, str]:
+    """The failure that started it: not one that only saw its peer die."""
+    for failure in failures:
+        if "PeerDied" not in failure[1] and "StopRun" not in failure[1]:
+            return failure
+    return failures[0]
+
+
+def _replay(store: ArtifactStore, stage: str, key: str, outputs: list[Channel], stop: Any) -> None:
+    try:
+        for item in store.items(stage, key):
+            for ch in outputs:
+                ch.stop_event = stop
+                ch.put(item)
+        for ch in outputs:
+            ch.close()
+    except Exception:  # the consumer sees the stop flag; nothing to report twice
+        pass
+
