@@ -16,12 +16,12 @@ uses for positions, and gets back ``(mark, message)`` pairs. Values come from
 from __future__ import annotations
 
 import dataclasses
-from collections import abc
 import difflib
 import enum
 import pathlib
 import types
 import typing
+from collections import abc
 from typing import Any, Callable, NamedTuple
 
 MarkOf = Callable[[tuple, str], Any]
@@ -172,7 +172,8 @@ class _Checker:
         where = f" for {self.owner}" if self.owner else ""
         for key, value in values.items():
             if key not in fields:
-                hint = did_you_mean(key, fields) or (
+                close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+                hint = (f" (did you mean '{_path_str(path + (close[0],))}'?)" if close else "") or (
                     f" (params: {', '.join(fields)})" if fields else " (it takes no params)")
                 self.error(path + (key,), "key",
                            f"unknown param '{_path_str(path + (key,))}'{where}{hint}")
@@ -213,12 +214,14 @@ class _Checker:
                     return value
             hint = did_you_mean(value, [a for a in args if isinstance(a, str)]) \
                 if isinstance(value, str) else ""
-            self.error(path, "value", f"param '{_path_str(path)}' must be one of "
-                                      f"{', '.join(repr(a) for a in args)}, got {_show(value)}{hint}")
+            allowed = ", ".join(repr(a) for a in args)
+            self.error(path, "value", f"param '{_path_str(path)}' must be one of {allowed}, "
+                                      f"got {_show(value)}{hint}")
             return _FAIL
         if tp is type(None) or tp is None:
             return value if value is None else self.mismatch(path, tp, value)
-        if origin in (list, tuple, set, frozenset, dict) or tp in (list, tuple, set, frozenset, dict):
+        containers = (list, tuple, set, frozenset, dict)
+        if origin in containers or tp in containers:
             return self.container(value, tp, origin or tp, args, path, lenient)
         if origin in (abc.Sequence, abc.MutableSequence, abc.Iterable):
             return self.container(value, tp, list, args, path, lenient)
@@ -290,7 +293,8 @@ class _Checker:
             if args == ((),):
                 args = ()
             if len(value) != len(args):
-                return self.mismatch(path, tp, value, f" ({len(value)} items, expected {len(args)})")
+                return self.mismatch(path, tp, value,
+                                     f" ({len(value)} items, expected {len(args)})")
             item_types = list(args)
         else:
             item_types = [args[0] if args else Any] * len(value)

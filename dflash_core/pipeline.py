@@ -34,7 +34,7 @@ class StageSpec:
     config: Any
     """Instance of ``cls.Config`` built from ``params``."""
     params: dict[str, Any] = field(default_factory=dict)
-    """Raw params (after ``--set``), as in the file; the artifact key hashes these."""
+    """Params given in the file (after ``--set``), normalised to the Config's types."""
     after: dict[str, str] = field(default_factory=dict)
     """Input port -> upstream stage name."""
     device: str = "cpu"

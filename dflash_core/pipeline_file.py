@@ -13,6 +13,7 @@ File format (version 1)::
                                     # path is relative to the current working directory (not
                                     # to the pipeline file); fsspec URLs (s3://…) are kept as is
     defaults: {device: cpu, executor: thread}   # optional, applied to every stage
+    x-anything: &anchor {...}       # keys starting with x- are ignored (for YAML anchors)
     stages:                         # non-empty mapping, in run order where the DAG allows
       NAME: {uses, after, device, link, executor, params}
 
@@ -42,6 +43,9 @@ TOP_KEYS = ("version", "run_dir", "stages", "defaults")
 STAGE_KEYS = ("uses", "after", "device", "link", "executor", "params")
 DEFAULT_KEYS = ("device", "executor")
 SET_FILE = "--set"
+EXTENSION_PREFIX = "x-"
+"""Top-level keys starting with this are ignored (a place for YAML anchors, as in compose files)."""
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 _STAGE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
@@ -103,7 +107,8 @@ class _Errors:
     def raise_if_any(self) -> None:
         if self.items:
             order = {f: i for i, f in enumerate(self.sources)}
-            errors = sorted(self.items, key=lambda e: (order.get(e.file, len(order)), e.line, e.col))
+            errors = sorted(self.items,
+                            key=lambda e: (order.get(e.file, len(order)), e.line, e.col))
             raise PipelineFileError(errors)
 
 
@@ -120,13 +125,18 @@ class _Builder:
         if depth > 100:
             self.errors.add(mark, "YAML nesting too deep (recursive alias?)")
             return _Node(None, mark)
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in (_MAP_TAG, _SEQ_TAG):
+            self.errors.add(mark, f"unsupported YAML tag '{node.tag}'")  # then read it untagged
         if isinstance(node, yaml.MappingNode):
+            n_explicit = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
             try:
                 self.constructor.flatten_mapping(node)  # << merge keys, as safe_load does
             except yaml.MarkedYAMLError as exc:
                 self.errors.add(mark, f"invalid YAML merge: {exc.problem}")
+            n_merged = len(node.value) - n_explicit  # merged pairs come first; later ones win
             out: dict[Any, _Node] = {}
-            for key_node, value_node in node.value:
+            merged: set[Any] = set()
+            for i, (key_node, value_node) in enumerate(node.value):
                 key_mark = self.make_mark(key_node.start_mark)
                 if not isinstance(key_node, yaml.ScalarNode):
                     self.errors.add(key_mark, "mapping keys must be plain scalars")
@@ -137,10 +147,14 @@ class _Builder:
                 except TypeError:
                     self.errors.add(key_mark, f"unhashable mapping key {key!r}")
                     continue
-                if key in out:
+                if key in out and i >= n_merged and key not in merged:
                     first = out[key].at_key
                     self.errors.add(key_mark, f"duplicate key '{key}' (first at line {first.line})")
                     continue
+                if i < n_merged:
+                    merged.add(key)
+                else:
+                    merged.discard(key)
                 child = self.build(value_node, depth + 1)
                 child.key_mark = key_mark
                 out[key] = child
@@ -154,7 +168,7 @@ class _Builder:
             return self.constructor.construct_object(node, deep=True)
         except yaml.MarkedYAMLError as exc:
             self.errors.add(self.make_mark(node.start_mark), f"invalid YAML value: {exc.problem}")
-            return None
+            return node.value  # the text, so that no second error follows for this value
 
 
 def _yaml_error(exc: yaml.YAMLError, make_mark: Callable[[Any], Mark], fallback: Mark,
@@ -228,6 +242,8 @@ def _apply_override(root: _Node, ov: _Override, errors: _Errors) -> None:
     walked: list[str] = []
     for depth, (key, key_mark) in enumerate(ov.parts):
         last = depth == len(ov.parts) - 1
+        if node.kind == "scalar" and node.value is None and walked:  # `params:` left empty
+            node.kind, node.value = "map", {}
         if not node.is_map:
             where = ".".join(walked) or "the top level"
             errors.add(key_mark, f"--set path goes through '{where}', which is "
@@ -240,6 +256,10 @@ def _apply_override(root: _Node, ov: _Override, errors: _Errors) -> None:
                 return
             if walked == ["stages"]:
                 errors.add(key_mark, f"--set: no stage '{key}'{did_you_mean(key, node.value)}")
+                return
+            if depth == 0 and not last and key != "defaults":
+                errors.add(ov.parts[1][1], f"--set path goes through '{key}', which is not a "
+                                           "mapping")
                 return
             # created; validated like any key of this mapping (unknown keys are reported here)
             node.value[key] = (ov.value if last else _Node({}, key_mark, "map"))
@@ -284,7 +304,8 @@ class _Loader:
     def load(self, root: _Node | None) -> Pipeline | None:
         start = Mark(self.path, 1, 1)
         if root is None:
-            self.err(start, "empty pipeline file (expected a mapping with 'version: 1' and 'stages:')")
+            self.err(start, "empty pipeline file (expected a mapping with 'version: 1' and "
+                            "'stages:')")
             return None
         if not root.is_map:
             self.err(root.mark, f"the top level must be a mapping with 'version' and 'stages', "
@@ -292,7 +313,7 @@ class _Loader:
             return None
         top = root.value
         for key, node in top.items():
-            if key not in TOP_KEYS:
+            if key not in TOP_KEYS and not str(key).startswith(EXTENSION_PREFIX):
                 hint = did_you_mean(key, TOP_KEYS) or f" (expected one of: {', '.join(TOP_KEYS)})"
                 self.err(node.at_key, f"unknown top-level key '{key}'{hint}")
         version = self.version(top.get("version"), root)
@@ -340,7 +361,8 @@ class _Loader:
         return v
 
     def run_dir(self, node: _Node | None) -> str:
-        stem = os.path.splitext(os.path.basename(self.path))[0] or "pipeline"
+        stem = os.path.splitext(os.path.basename(self.path))[0]
+        stem = re.sub(r"[^A-Za-z0-9_.\-]", "", stem) or "pipeline"  # "<pipeline>" -> "pipeline"
         default = os.path.join("runs", stem)
         if node is None:
             return default
@@ -423,7 +445,8 @@ class _Loader:
             available = _impls(self.plugins)
             label = "available"
         names = available + [a.split(":", 1)[1] for a in available]
-        self.err(uses_node.mark, f"unknown stage implementation '{uses}'{did_you_mean(uses, names)}; "
+        hint = did_you_mean(uses, names)
+        self.err(uses_node.mark, f"unknown stage implementation '{uses}'{hint}; "
                                  f"{label}: {', '.join(available) or 'none'}{failed}")
         return None
 
@@ -434,11 +457,17 @@ class _Loader:
         body = node.value
         for key, value in body.items():
             if key not in STAGE_KEYS:
-                hint = did_you_mean(key, STAGE_KEYS) or f" (expected one of: {', '.join(STAGE_KEYS)})"
+                hint = did_you_mean(key, STAGE_KEYS) or \
+                    f" (expected one of: {', '.join(STAGE_KEYS)})"
                 self.err(value.at_key, f"unknown key '{key}' in stage '{name}'{hint}")
         cls = self.classes.get(name)
         after = self.after(name, node, body.get("after"), cls, stage_nodes)
         link = self.choice(body["link"], "link", LINKS) if "link" in body else None
+        if link is not None and cls is not None and not cls.inputs:
+            self.err(body["link"].at_key, f"'link' sets how a stage's inputs arrive, and '{name}' "
+                                          f"({cls.kind}:{cls.name}) is a source stage; set it on "
+                                          "the consumers")
+            link = None
         executor_node = body.get("executor", defaults.get("executor"))
         executor = (self.choice(executor_node, "executor", EXECUTORS)
                     if executor_node is not None else None)
@@ -513,8 +542,8 @@ class _Loader:
                 ok = False
             elif upstream not in stage_nodes:
                 others = [s for s in stage_nodes if s != name]
-                self.err(item.mark, f"missing upstream: no stage '{upstream}'"
-                                    f"{did_you_mean(upstream, others)} (stages: {', '.join(others)})")
+                hint = did_you_mean(upstream, others) or f" (stages: {', '.join(others)})"
+                self.err(item.mark, f"missing upstream: no stage '{upstream}'{hint}")
                 ok = False
             elif upstream in seen and port is None:
                 self.err(item.mark, f"stage '{upstream}' is listed twice in 'after'")

@@ -67,7 +67,7 @@ class Display:
         elif kind == "metrics":
             line.metrics = {k: v for k, v in event.items() if k != "type"}
         elif kind == "log":
-            self.console.print(f"[{stage}] {event.get('message', '')}")
+            self.console.print(f"[{stage}] {event.get('message', '')}", markup=False)
 
     def stage_done(self, stage: str, status: str, result: Any) -> None:
         line = self.lines.setdefault(stage, _StageLine())
@@ -85,7 +85,7 @@ class PlainDisplay(Display):
 
     def stage_started(self, stage: str) -> None:
         super().stage_started(stage)
-        self.console.print(f"[{stage}] started", highlight=False)
+        self.console.print(f"[{stage}] started", highlight=False, markup=False)
 
     def event(self, stage: str, event: dict[str, Any]) -> None:
         super().event(stage, event)
@@ -94,12 +94,14 @@ class PlainDisplay(Display):
         if event.get("type") in ("progress", "metrics") and now - line.last_plain >= PLAIN_INTERVAL_S:
             line.last_plain = now
             metrics = "  ".join(f"{k}={_fmt(v)}" for k, v in line.metrics.items())
-            self.console.print(f"[{stage}] {line.rate_text()}  {metrics}".rstrip(), highlight=False)
+            self.console.print(f"[{stage}] {line.rate_text()}  {metrics}".rstrip(), highlight=False,
+                               markup=False)
 
     def stage_done(self, stage: str, status: str, result: Any) -> None:
         super().stage_done(stage, status, result)
         took = f" in {result.ended - result.started:.1f}s" if result.ended and result.started else ""
-        self.console.print(f"[{stage}] {status}{took} ({result.items:,} items)", highlight=False)
+        self.console.print(f"[{stage}] {status}{took} ({result.items:,} items)", highlight=False,
+                           markup=False)
 
 
 class RichDisplay(Display):

@@ -233,13 +233,19 @@ class _Supervisor:
         ctx = StageContext(stage=stage, config=spec.config, device=spec.device, run_dir=run_dir,
                            work_dir=work_dir, cache_dir=cache_dir, rank=self.r.rank,
                            world_size=self.r.world_size,
-                           resume_state=self.r.resume_states.get(stage))
+                           resume_state=self.r.resume_states.get(stage),
+                           pipeline=self._pipeline_view())
         outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
         meta = {"impl": spec.impl, "version": spec.cls.version,
                 "params": semantic_params(self.p, stage), "upstream": upstream_digests}
         self.keys[stage] = key
         return StageTask(stage, spec.cls, ctx, inputs, outputs,
                          key if materialized else None, meta)
+
+    def _pipeline_view(self) -> dict[str, dict[str, Any]]:
+        return {name: {"kind": spec.cls.kind, "impl": spec.impl,
+                       "params": semantic_params(self.p, name), "after": dict(spec.after)}
+                for name, spec in self.p.stages.items()}
 
     def _cached(self, stage: str) -> bool:
         """Skip a fresh stage (plain ``run`` only) and replay its artifact to stream consumers."""

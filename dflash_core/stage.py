@@ -87,6 +87,9 @@ class StageContext:
     world_size: int = 1
     resume_state: dict[str, Any] | None = None
     """This stage's state from the latest checkpoint when the run is resumed, else None."""
+    pipeline: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Every stage of the pipeline: ``{name: {"kind", "impl", "params", "after"}}``, so a stage can
+    adapt to its neighbours (the trainer snapshots at the checkpoint stage's cadence)."""
     summary: dict[str, Any] = field(default_factory=dict)
     """Stage-filled figures (records in/out, tokens, …): stored with the artifact and shown at the end."""
     emitter: Any = None
@@ -109,6 +112,10 @@ class StageContext:
         if total is not None:
             event["total"] = total
         self.emit(event)
+
+    def stages_of_kind(self, kind: str) -> list[dict[str, Any]]:
+        """Entries of :attr:`pipeline` with this kind, in file order."""
+        return [dict(v, name=k) for k, v in self.pipeline.items() if v.get("kind") == kind]
 
     def should_stop(self) -> bool:
         """True once the runner asked every stage to stop (another stage failed)."""

@@ -13,4 +13,9 @@ from dflash_core import hookimpl
 
 @hookimpl
 def dflash_pipe_register_stages(registry: Any) -> None:
-    pass
+    from dflash_stages.checkpoint import FsspecCheckpoint
+    from dflash_stages.extract import HFHooksExtract
+    from dflash_stages.train import DFlashTrain
+
+    for cls in (HFHooksExtract, DFlashTrain, FsspecCheckpoint):
+        registry.add(cls)

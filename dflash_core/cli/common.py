@@ -11,8 +11,9 @@ from rich.console import Console
 from dflash_core.plugins import PluginManager
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 4
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# markup off: stage names, impls and error texts contain brackets ("[thread]", "[Errno 2]")
+console = Console(highlight=False, markup=False)
+err_console = Console(stderr=True, highlight=False, markup=False)
 
 
 def plugin_manager(args: argparse.Namespace) -> PluginManager:

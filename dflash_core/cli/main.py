@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PipelineFileError as exc:
-        err_console.print(exc.format(), markup=False)
+        err_console.print(exc.format(), markup=False, soft_wrap=True)
         return EXIT_CONFIG
     except PluginError as exc:
         err_console.print(f"plugin error: {exc}", markup=False)

@@ -44,6 +44,7 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
         print_plan(runner)
         return EXIT_OK
     display = make_display(quiet=args.quiet)
+    runner.display = display
     start = time.time()
     try:
         results = runner.run()

@@ -8,7 +8,6 @@ document with loss_mask = 1.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -93,9 +92,3 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str | Non
     k = torch.arange(1, block_size, dtype=torch.float64, device=device)
     return torch.exp(-(k - 1) / float(gamma))
 
-
-def tau_sim(correct: torch.Tensor) -> torch.Tensor:
-    """Simulated acceptance length: mean over blocks of 1 + leading correct slots ([N, B-1] bool)."""
-    if correct.shape[0] == 0:
-        return torch.tensor(math.nan)
-    return (1 + correct.long().cumprod(dim=1).sum(dim=1)).double().mean()

@@ -1,0 +1,179 @@
+"""The DFlash draft model, top to bottom.
+
+    features [T, k*H] (k target layers, verified/context rows)
+      -> ctx = hidden_norm(fc(features))                       computed once, shared by all layers
+    block ids [N, B] (anchor token, MASK x (B-1)) -> target's frozen embedding -> x [N*B, H]
+    every draft layer (Qwen3 pre-norm):
+      h = input_layernorm(x)
+      q = q_norm(q_proj(h))                                    queries: block stream only
+      k = k_norm(k_proj([ctx ; h])), v = v_proj([ctx ; h])     keys/values: context + block stream
+      RoPE on q (block positions) and k ([context positions ; block positions]); GQA attention
+      with the training mask (mask.py); x = x + o_proj(attn)
+      x = x + down(silu(gate(post_attention_layernorm(x))) * up(.))
+    -> norm(x)  (then the target's frozen LM head, applied by loss.py / draft.py in chunks)
+
+The target's embedding and LM head are passed in on every call: they are neither parameters of
+this module nor saved, so tied embeddings need nothing special. Parameter names are exactly the
+exported tensor names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_core.drafter.attention import BACKENDS, attend, resolve_backend
+from dflash_core.drafter.config import SLIDING, DrafterConfig
+from dflash_core.drafter.mask import BlockLayout
+from dflash_core.drafter.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+class RMSNorm(nn.Module):
+    """HF/Qwen3 RMSNorm: normalize in (at least) float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.promote_types(dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block stream; keys/values from [context ; block stream]; GQA; q/k norms."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.q_proj = nn.Linear(H, nh * d, bias=False)
+        self.k_proj = nn.Linear(H, nkv * d, bias=False)
+        self.v_proj = nn.Linear(H, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Any, backend: str) -> torch.Tensor:
+        Q, T = x.shape[0], ctx.shape[0]
+        q = self.q_norm(self.q_proj(x).view(Q, self.nh, self.d))
+        kv_in = torch.cat([ctx, x])  # context features enter k/v without the layer's input norm
+        k = self.k_norm(self.k_proj(kv_in).view(T + Q, self.nkv, self.d))
+        v = self.v_proj(kv_in).view(T + Q, self.nkv, self.d)
+        q = apply_rope(q, cos[T:], sin[T:])
+        k = apply_rope(k, cos, sin)
+        return self.o_proj(attend(q, k, v, mask, backend).reshape(Q, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Any, backend: str) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash block-diffusion drafter for a frozen target.
+
+    Build from the target's HF config (object or dict): ``DFlashDrafter(target_config,
+    num_layers=5, block_size=16, target_layer_ids=None, mask_token_id=151669)``; a ready
+    ``DrafterConfig`` is also accepted (the other shape arguments are then ignored).
+    ``attn_backend``: "auto" (flex on CUDA, sdpa otherwise), "flex" or "sdpa".
+    """
+
+    def __init__(self, target_config: Any, *, mask_token_id: int | None = None, num_layers: int = 5,
+                 block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
+                 layer_types: Sequence[str] | None = None, attn_backend: str = "auto") -> None:
+        super().__init__()
+        if isinstance(target_config, DrafterConfig):
+            cfg = target_config
+        else:
+            if mask_token_id is None:
+                raise ValueError("mask_token_id is required (see pick_mask_token_id)")
+            cfg = DrafterConfig.from_target(target_config, num_layers=num_layers, block_size=block_size,
+                                            target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                            layer_types=layer_types)
+        if attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
+        self.config = cfg
+        self.attn_backend = attn_backend
+        H, k = cfg.hidden_size, len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        # RoPE tables per layer type, kept off the state dict and out of .to(dtype) casts
+        self._rope = {lt: rope_inv_freq(cfg.rope_parameters(lt), cfg.head_dim) for lt in set(cfg.layer_types)}
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: linear weights N(0, std), norm weights 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def forward(self, features: torch.Tensor, block_ids: torch.Tensor, ctx_positions: torch.Tensor,
+                block_positions: torch.Tensor, layout: BlockLayout, embed_weight: torch.Tensor,
+                attn_backend: str | None = None) -> torch.Tensor:
+        """Final-normed hidden states [N, B, H] of the blocks.
+
+        features [T, k*H] (target layers in ``target_layer_ids`` order), block_ids/block_positions
+        [N, B], ctx_positions [T], layout: documents/anchors for the mask, embed_weight [V, H].
+        """
+        N, B = block_ids.shape
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(features.to(dtype)))
+        x = F.embedding(block_ids.reshape(-1), embed_weight.detach()).to(dtype)
+        positions = torch.cat([ctx_positions.reshape(-1), block_positions.reshape(-1)])
+        backend = resolve_backend(attn_backend or self.attn_backend, x.device)
+        masks, ropes = {}, {}
+        for lt, (inv_freq, scale) in self._rope.items():
+            window = self.config.sliding_window if lt == SLIDING else None
+            masks[lt] = layout.flex_block_mask(window) if backend == "flex" else layout.dense_mask(window)
+            ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
+        for layer, lt in zip(self.layers, self.config.layer_types):
+            x = layer(x, ctx, *ropes[lt], masks[lt], backend)
+        return self.norm(x).view(N, B, -1)

@@ -1,0 +1,164 @@
+"""checkpoint:fsspec — complete checkpoints or none: export + training state, then ``latest``.
+
+Layout under ``<run_dir>/checkpoints/``: ``step-000100/`` with ``export/`` (the served
+format), ``train_state.pt`` (drafter, optimizer, step, RNG of rank 0), ``rng.rank<r>.pt``
+for the other ranks, ``pipeline_state.json`` (what ``--resume`` hands each stage), then
+``latest.json`` pointing at it — written last, so a crash mid-save leaves the previous
+checkpoint as latest. The same files are uploaded to ``dest`` (any fsspec URL) with retries,
+``latest.json`` last there too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+from dflash_core import Stage, StageContext
+from dflash_core.artifacts import join, read_json, write_json
+from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = field(default=1000, metadata={"help": "save every N optimizer steps (and at the end)"})
+    keep_last: int = field(default=3, metadata={"help": "complete checkpoints kept in the run dir"})
+    dest: str | None = field(default=None, metadata={"help": "also upload to this URL (s3://…)"})
+    retries: int = 5
+    backoff: float = 0.5
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+class FsspecCheckpoint(Stage):
+    kind = "checkpoint"
+    name = "fsspec"
+    Config = CheckpointConfig
+    inputs = ("states",)
+    needs_torch = True
+    cache_ignore = ("retries", "backoff", "storage_options", "keep_last")
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        root = join(ctx.run_dir, CHECKPOINTS)
+        saved = 0
+        for state in inputs["states"]:
+            if state.get("kind") != "state":
+                continue
+            name = f"step-{state['step']:07d}"
+            path = save_checkpoint(state, root, name, ctx)
+            saved += 1
+            if ctx.rank == 0:
+                if self.config.dest:
+                    upload(path, join(self.config.dest, name), self.config, ctx)
+                    _retry(lambda: write_json(join(self.config.dest, LATEST),
+                                              {"name": name, "step": state["step"]}), self.config, ctx)
+                prune(root, self.config.keep_last)
+                ctx.emit({"type": "checkpoint", "step": state["step"], "path": path})
+                ctx.summary.update(latest=path, export=join(path, "export"), step=state["step"])
+            yield {"kind": "checkpoint", "step": state["step"], "final": state["final"],
+                   "path": path, "export": join(path, "export")}
+        ctx.summary["saved"] = saved
+
+
+def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageContext) -> str:
+    """Write one checkpoint under ``root/name`` and point ``latest.json`` at it (rank 0)."""
+    from dflash_core.drafter import DFlashDrafter, export_drafter
+
+    final = join(root, name)
+    local = "://" not in root
+    staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}" if local else final
+    if ctx.world_size > 1:
+        _barrier()  # every rank has its state in hand before rank 0 starts the directory
+    rank = state["rank"]
+    if rank == 0:
+        if local:
+            os.makedirs(staging, exist_ok=True)
+        model = DFlashDrafter(state["drafter_config"])
+        model.load_state_dict(state["model"])
+        export_drafter(model, join(staging, "export"), extra_metadata=state["metadata"])
+        _torch_save({"model": state["model"], "optimizer": state["optimizer"], "step": state["step"],
+                     "rng": {"0": state["rng"]}}, join(staging, "train_state.pt"))
+        _copy_metrics(state.get("metrics_file"), staging)
+    if ctx.world_size > 1:
+        _barrier()
+        if rank != 0:
+            _torch_save({"rng": {str(rank): state["rng"]}},
+                        join(staging if local else final, f"rng.rank{rank}.pt"))
+        _barrier()
+    if rank == 0:
+        write_json(join(staging, PIPELINE_STATE), state["pipeline_state"])
+        if local:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        write_json(join(root, LATEST), {"name": name, "step": state["step"]})
+    if ctx.world_size > 1:
+        _barrier()
+    return final
+
+
+def _torch_save(obj: Any, url: str) -> None:
+    import fsspec
+    import torch
+
+    with fsspec.open(url, "wb") as f:
+        torch.save(obj, f)
+
+
+def _copy_metrics(src: str | None, dest_dir: str) -> None:
+    if src and "://" not in src and os.path.exists(src):
+        import fsspec
+
+        with open(src, "rb") as f, fsspec.open(join(dest_dir, "metrics.jsonl"), "wb") as g:
+            g.write(f.read())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def prune(root: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (never the latest)."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(root)
+    latest = (read_json(join(root, LATEST)) or {}).get("name")
+    names = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
+    steps = [n for n in names if n.startswith("step-") and ".tmp-" not in n]
+    for old in steps[:-keep] if keep > 0 else []:
+        if old != latest:
+            fs.rm(f"{path}/{old}", recursive=True)
+
+
+def upload(src: str, dest: str, cfg: CheckpointConfig, ctx: StageContext) -> None:
+    """Copy a checkpoint directory to ``dest`` file by file, each with retries."""
+    from fsspec.core import url_to_fs
+
+    dfs, dpath = url_to_fs(dest, **cfg.storage_options)
+    for dirpath, _, files in os.walk(src):
+        for fname in sorted(files):
+            local = os.path.join(dirpath, fname)
+            rel = os.path.relpath(local, src)
+            target = f"{dpath}/{rel}"
+            _retry(lambda: dfs.put_file(local, target), cfg, ctx)
+
+
+def _retry(fn: Any, cfg: CheckpointConfig, ctx: StageContext) -> None:
+    for attempt in range(cfg.retries + 1):
+        try:
+            fn()
+            return
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            if attempt == cfg.retries:
+                raise
+            delay = cfg.backoff * 2 ** attempt
+            ctx.logger.warning("upload failed (%s); retry %d in %.1fs", type(exc).__name__,
+                               attempt + 1, delay)
+            ctx.summary["upload_retries"] = ctx.summary.get("upload_retries", 0) + 1
+            time.sleep(delay)
+

@@ -1,0 +1,79 @@
+"""extract:hf_hooks — the target's hidden states for each packed row, computed on the fly.
+
+The target runs frozen, without its LM head (the forward stops after the highest layer the
+drafter reads), with a block-diagonal causal mask so the documents of a packed row never see
+each other. Running in its own thread (or process), it computes row i+1 while the trainer
+works on row i; on CUDA it uses its own stream and finishes each row before handing it on.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+from dflash_core import Stage, StageContext
+
+
+@dataclass
+class ExtractConfig:
+    model: str = field(metadata={"help": "HF model path or hub name, or 'smollm2' (bundled)"})
+    layers: str | list[int] = field(default="auto", metadata={
+        "help": "target layer ids (0-based decoder layer outputs) or 'auto' (DESIGN rule)"})
+    num_features: int = field(default=5, metadata={"help": "k layers for layers: auto"})
+    dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
+    last_hidden: bool = field(default=False, metadata={
+        "help": "also return the final hidden state (target_argmax / kl losses)"})
+    attn_implementation: str = "sdpa"
+
+
+class HFHooksExtract(Stage):
+    kind = "extract"
+    name = "hf_hooks"
+    Config = ExtractConfig
+    inputs = ("rows",)
+    needs_torch = True
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        import torch
+
+        from dflash_core.drafter import default_target_layer_ids
+        from dflash_stages.target import (FeatureCapture, embeddings_and_head, load_target,
+                                          packed_attention_mask)
+
+        cfg = self.config
+        device = torch.device(ctx.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, cfg.attn_implementation)
+        n_layers = model.config.num_hidden_layers
+        ids = (default_target_layer_ids(n_layers, cfg.num_features) if cfg.layers == "auto"
+               else [int(t) for t in cfg.layers])  # type: ignore[union-attr]
+        capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
+        embed, head = embeddings_and_head(model)
+        dtype = next(model.parameters()).dtype
+        ctx.logger.info("target %s: %d layers, features from %s", cfg.model, n_layers, ids)
+        yield {"kind": "target", "model": cfg.model, "config": model.config.to_dict(),
+               "target_layer_ids": ids, "embed_weight": embed, "lm_head_weight": head,
+               "tokenizer_len": len(tokenizer), "all_special_ids": list(tokenizer.all_special_ids)}
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        rows = tokens = 0
+        for row in inputs["rows"]:
+            input_ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            T = input_ids.shape[0]
+            position_ids = torch.as_tensor(row["position_ids"], dtype=torch.long)
+            lengths = [int(n) for n in row["doc_lengths"]]
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                mask = packed_attention_mask(lengths, T, dtype, device)
+                feats, last = capture.capture(input_ids.to(device)[None],
+                                              position_ids.to(device)[None], mask)
+                if stream is not None:
+                    stream.synchronize()
+            rows += 1
+            tokens += T
+            ctx.progress(1, unit="rows", tokens=T)
+            out = {k: v for k, v in row.items()}
+            out.update(kind="row", features=feats[0], last_hidden=None if last is None else last[0])
+            yield out
+        ctx.summary.update(rows=rows, tokens=tokens, layers=ids)
+

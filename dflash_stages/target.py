@@ -1,0 +1,156 @@
+"""The frozen target LLM: load it, find its decoder layers, capture chosen layers' outputs.
+
+Shared by the extract stage (training features) and the evaluate stage (features of
+verified tokens during speculative decoding), so both read exactly the same hidden states —
+the ±1 layer-id convention is decided here once: id t = output of decoder layer t
+(0-based) = HF ``hidden_states[t + 1]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` = bf16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}[name]
+
+
+def load_target(model: str, device: str = "cpu", dtype: str = "auto",
+                attn_implementation: str = "sdpa") -> tuple[nn.Module, Any]:
+    """(model, tokenizer) for a path, a hub name, or ``smollm2`` (the bundled GGUF target).
+
+    The model is frozen, in eval mode, on ``device``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype, device)
+    if model == "smollm2":
+        from dflash_stages.smollm2 import load_smollm2
+
+        lm, tok = load_smollm2(dtype=torch_dtype)
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
+                                                  attn_implementation=attn_implementation)
+    lm = lm.to(device).eval()
+    lm.requires_grad_(False)
+    return lm, tok
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of any HF causal LM, found by shape rather than by name:
+    the ModuleList of identical blocks whose length is ``config.num_hidden_layers``."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    best: nn.ModuleList | None = None
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) != 1:
+                continue
+            if n is not None and len(module) != n:
+                continue
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return best
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformer without its LM head (``model.model`` for most HF causal LMs)."""
+    getter = getattr(model, "get_decoder", None)
+    if callable(getter):
+        try:
+            return getter()
+        except (AttributeError, NotImplementedError):
+            pass
+    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def embeddings_and_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen verifier weights the drafter needs: input embedding and LM head [V, H]
+    (the same tensor when the target ties them)."""
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+class _Enough(Exception):
+    """Raised by the last hook needed, so layers above it (and the LM head) never run."""
+
+
+class FeatureCapture:
+    """Forward hooks on the chosen decoder layers; ``capture`` returns [.., T, k*H].
+
+    With ``last_hidden`` the final-normed last hidden state is returned too (needed only by
+    the ``target_argmax``/``kl`` losses); otherwise the forward stops after the highest
+    chosen layer.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], last_hidden: bool = False) -> None:
+        self.model = model
+        self.layers = decoder_layers(model)
+        n = len(self.layers)
+        bad = [t for t in layer_ids if not 0 <= t < n]
+        if bad:
+            raise ValueError(f"target layer ids {bad} out of range for a {n}-layer target")
+        self.layer_ids = list(layer_ids)
+        self.last_hidden = last_hidden
+        self._out: dict[int, torch.Tensor] = {}
+
+    @contextmanager
+    def _hooks(self) -> Iterator[None]:
+        top = max(self.layer_ids)
+        handles = []
+        for t in set(self.layer_ids):
+            def hook(_m: nn.Module, _i: Any, out: Any, t: int = t) -> None:
+                self._out[t] = out[0] if isinstance(out, (tuple, list)) else out
+                if t == top and not self.last_hidden:
+                    raise _Enough()
+            handles.append(self.layers[t].register_forward_hook(hook))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **kw: Any
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(features [B, T, k*H], last hidden [B, T, H] or None) for a batch of ids."""
+        self._out.clear()
+        last = None
+        with self._hooks():
+            try:
+                out = base_model(self.model)(input_ids=input_ids, position_ids=position_ids,
+                                             attention_mask=attention_mask, use_cache=False, **kw)
+                last = out[0] if self.last_hidden else None
+            except _Enough:
+                pass
+        feats = torch.cat([self._out[t] for t in self.layer_ids], dim=-1)
+        self._out.clear()
+        return feats, last
+
+
+def packed_attention_mask(doc_lengths: Sequence[int], total: int, dtype: torch.dtype,
+                          device: torch.device | str) -> torch.Tensor:
+    """Additive 4D mask [1, 1, T, T]: causal within each document, nothing across documents
+    or into padding (padding rows see themselves so softmax stays finite)."""
+    doc = torch.full((total,), -1, dtype=torch.long, device=device)
+    start = 0
+    for i, n in enumerate(doc_lengths):
+        doc[start:start + n] = i
+        start += n
+    pad = doc < 0
+    doc = torch.where(pad, -2 - torch.arange(total, device=device), doc)  # padding: own group
+    idx = torch.arange(total, device=device)
+    allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.zeros(total, total, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]

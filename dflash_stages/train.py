@@ -1,0 +1,102 @@
+"""train:dflash — optimizer steps on the drafter from streamed feature rows.
+
+Deterministic by construction: the drafter is initialised from ``seed`` and each step's
+anchors come from a generator seeded by (seed, step, rank, micro-step), so a resumed run
+replays exactly the steps an uninterrupted run takes (no RNG stream to restore for anchors).
+With ``WORLD_SIZE > 1`` (torchrun) each rank trains on its shard of rows and gradients are
+averaged with one all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+from dflash_core import Stage, StageContext
+from dflash_core.artifacts import join
+
+
+@dataclass
+class TrainConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = field(default=512, metadata={"help": "anchors (blocks) per row"})
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
+    total_steps: int | None = field(default=None, metadata={
+        "help": "for the schedule; default: from the pack stage's rows per epoch x epochs"})
+    dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
+    loss_target: str = field(default="data", metadata={"help": "data | target_argmax | kl"})
+    gamma: float | None = None
+    mask_token_id: int | None = field(default=None, metadata={
+        "help": "default: first unused embedding row of the target"})
+    attn_backend: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
+    chunk_rows: int = 1024
+    heldout: str | None = field(default=None, metadata={
+        "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
+
+    def __post_init__(self) -> None:
+        if self.loss_target not in ("data", "target_argmax", "kl"):
+            raise ValueError("loss_target must be data, target_argmax or kl")
+        if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
+            raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
+
+
+def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:
+    """Linear warmup over ``warmup_ratio`` of the steps, then cosine to zero.
+    Without a known total the rate stays at ``lr`` after a 100-step warmup."""
+    warmup = max(1, round(cfg.warmup_ratio * total)) if total else 100
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if not total:
+        return cfg.lr
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class DFlashTrain(Stage):
+    kind = "train"
+    name = "dflash"
+    Config = TrainConfig
+    inputs = ("features",)
+    needs_torch = True
+    cache_ignore = ("log_every",)
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        from dflash_stages.trainer import Trainer
+
+        trainer = Trainer(self.config, ctx)
+        rows = iter(inputs["features"])
+        header = next(rows, None)
+        if header is None or header.get("kind") != "target":
+            raise ValueError("train expects the extract stage's target header as its first item")
+        trainer.setup(header)
+        yield from trainer.fit(rows)
+
+
+def metrics_path(ctx: StageContext) -> str:
+    """Where the metrics JSONL goes: beside the run (a local path) or in the stage's work dir."""
+    return join(ctx.run_dir if "://" not in ctx.run_dir else ctx.work_dir, "metrics.jsonl")
+
+
+def append_metrics(path: str, record: dict[str, Any]) -> None:
+    if "://" in path:
+        return  # object stores cannot append; the checkpoint stage uploads the local copy
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,239 @@
+"""The training loop behind train:dflash (kept apart from the stage so it reads top to bottom)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import torch
+
+from dflash_core import StageContext
+from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
+from dflash_stages.target import resolve_dtype
+from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
+
+TRAIN_STATE = "train_state.pt"
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: StageContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.device = torch.device(ctx.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(cfg.dtype, ctx.device)
+        self.step = 0
+        self.data_state: dict[str, Any] = {}
+        self.metrics_file = metrics_path(ctx)
+        self.tb: Any = None
+        self.distributed = ctx.world_size > 1
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, header: dict[str, Any]) -> None:
+        cfg = self.cfg
+        self.target = header
+        embed, head = header["embed_weight"], header["lm_head_weight"]
+        mask_id = cfg.mask_token_id
+        if mask_id is None:
+            mask_id = pick_mask_token_id(embed.shape[0], header["tokenizer_len"])
+        torch.manual_seed(cfg.seed)
+        model = DFlashDrafter(header["config"], mask_token_id=mask_id, num_layers=cfg.num_layers,
+                              block_size=cfg.block_size, target_layer_ids=header["target_layer_ids"],
+                              attn_backend=cfg.attn_backend)
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        # frozen verifier weights: moved once, shared (tied) when the target ties them
+        self.embed = embed.detach().to(self.device, self.dtype)
+        self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
+                     else head.detach().to(self.device, self.dtype))
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay, fused=fused)
+        if self.distributed:
+            self._init_distributed()
+        if self.ctx.resume_state:
+            self._restore(self.ctx.resume_state)
+        if self.ctx.rank == 0 and "://" not in self.metrics_file and not self.ctx.resume_state:
+            if os.path.exists(self.metrics_file):
+                os.remove(self.metrics_file)
+        self._open_tensorboard()
+
+    def _init_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        for p in self.model.parameters():  # identical start on every rank
+            dist.broadcast(p.data, src=0)
+
+    def _open_tensorboard(self) -> None:
+        if self.ctx.rank != 0 or "://" in self.ctx.run_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard not installed: JSONL metrics only
+            return
+        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"))
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        import fsspec
+
+        with fsspec.open(f"{state['checkpoint']}/{TRAIN_STATE}", "rb") as f:
+            saved = torch.load(f, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(saved["model"])
+        self.opt.load_state_dict(saved["optimizer"])
+        self.step = int(saved["step"])
+        rank = self.ctx.rank
+        if rank != 0:
+            with fsspec.open(f"{state['checkpoint']}/rng.rank{rank}.pt", "rb") as f:
+                saved = torch.load(f, map_location="cpu", weights_only=True)
+        torch.set_rng_state(saved["rng"][str(rank)]["cpu"])
+        self.ctx.logger.info("resumed from %s at step %d", state["checkpoint"], self.step)
+
+    # ------------------------------------------------------------------- loop
+    def total_steps(self, row: dict[str, Any]) -> int | None:
+        if self.cfg.total_steps:
+            return self.cfg.total_steps
+        per_epoch, epochs = row.get("rows_per_epoch"), row.get("epochs")
+        if per_epoch and epochs:
+            return max(1, int(per_epoch) * int(epochs) // self.cfg.rows_per_step)
+        return None
+
+    def snapshot_every(self) -> int:
+        if self.cfg.checkpoint_every:
+            return self.cfg.checkpoint_every
+        cadences = [s["params"].get("every_steps") for s in self.ctx.stages_of_kind("checkpoint")]
+        cadences = [int(c) for c in cadences if c]
+        return min(cadences) if cadences else 0
+
+    def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        cfg, ctx = self.cfg, self.ctx
+        every = self.snapshot_every()
+        window: list[dict[str, float]] = []
+        micro, total, t0, tokens = 0, None, now(), 0
+        for row in rows:
+            total = total or self.total_steps(row)
+            stats = self._forward_backward(row, micro)
+            tokens += int(row["features"].shape[0])
+            micro += 1
+            if stats is not None:
+                window.append(stats)
+            if micro < cfg.rows_per_step:
+                continue
+            self.data_state = _row_state(row)
+            grad_norm, lr = self._optimizer_step(total)
+            micro = 0
+            self.step += 1
+            ctx.progress(1, total=total, unit="steps", tokens=tokens)
+            if self.step % cfg.log_every == 0 or self.step == total:
+                self._log(window, grad_norm, lr, tokens / max(now() - t0, 1e-9))
+                window, tokens, t0 = [], 0, now()
+            if every and self.step % every == 0:
+                yield self.snapshot(final=False)
+        if micro:  # a last partial step still trains on the rows it has
+            grad_norm, lr = self._optimizer_step(total)
+            self.step += 1
+        if window:
+            self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
+                      tokens / max(now() - t0, 1e-9))
+        ctx.summary.update(steps=self.step)
+        if self.tb is not None:
+            self.tb.close()
+        yield self.snapshot(final=True)
+
+    def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, float] | None:
+        cfg = self.cfg
+        features = row["features"].to(self.device, non_blocking=True)
+        loss_mask = torch.as_tensor(row["loss_mask"]).to(torch.long)
+        gen = torch.Generator().manual_seed(
+            hash((cfg.seed, self.step, self.ctx.rank, micro)) & 0x7FFFFFFFFFFFFFFF)
+        anchors = sample_anchors(loss_mask, row["doc_lengths"], cfg.num_anchors, gen)
+        if anchors.numel() == 0:
+            return None
+        last = row.get("last_hidden")
+        out = drafter_loss(
+            self.model, features, torch.as_tensor(row["input_ids"]).long(), loss_mask,
+            torch.as_tensor(row["position_ids"]).long(), row["doc_lengths"], anchors,
+            self.embed, self.head, gamma=cfg.gamma, target=cfg.loss_target,
+            target_hidden=None if last is None else last.to(self.device),
+            chunk_rows=cfg.chunk_rows)
+        (out.loss / cfg.rows_per_step).backward()
+        return {"loss": float(out.loss.detach()), "acc": float(out.acc),
+                "tau_sim": float(out.tau_sim),
+                "per_slot_acc": [round(float(a), 4) for a in out.per_slot_acc]}
+
+    def _optimizer_step(self, total: int | None) -> tuple[float, float]:
+        params = [p for p in self.model.parameters()]
+        if self.distributed:
+            import torch.distributed as dist
+
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.ctx.world_size
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+                offset += n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        lr = lr_at(self.step, total, self.cfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return grad_norm, lr
+
+    def _log(self, window: list[dict[str, float]], grad_norm: float, lr: float, tps: float) -> None:
+        if not window:
+            return
+        n = len(window)
+        record = {"step": self.step, "loss": sum(w["loss"] for w in window) / n,
+                  "acc": sum(w["acc"] for w in window) / n,
+                  "tau_sim": sum(w["tau_sim"] for w in window) / n,
+                  "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                  "per_slot_acc": window[-1]["per_slot_acc"]}
+        self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
+                                acc=round(record["acc"], 4))
+        self.ctx.emit({"type": "metrics", **{k: v for k, v in record.items() if k != "per_slot_acc"}})
+        if self.ctx.rank == 0:
+            append_metrics(self.metrics_file, record)
+            if self.tb is not None:
+                for key in ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s"):
+                    self.tb.add_scalar(f"train/{key}", record[key], self.step)
+
+    # -------------------------------------------------------------- snapshots
+    def snapshot(self, final: bool) -> dict[str, Any]:
+        """Everything a checkpoint needs, copied to CPU so training can go on meanwhile."""
+        tok = (self.ctx.stages_of_kind("tokenize") or [{"params": {}}])[0]["params"]
+        rng = {"cpu": torch.get_rng_state()}
+        return {
+            "kind": "state", "step": self.step, "final": final, "rank": self.ctx.rank,
+            "world_size": self.ctx.world_size,
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+            "optimizer": _to_cpu(self.opt.state_dict()),
+            "rng": rng,
+            "drafter_config": self.model.config,
+            "pipeline_state": {self.ctx.stage: {"step": self.step}, **self.data_state},
+            "metrics_file": self.metrics_file,
+            "metadata": {"target": self.target["model"], "tokenizer": tok.get("tokenizer"),
+                         "thinking": tok.get("thinking"),
+                         "chat_template_kwargs": tok.get("chat_template_kwargs") or {},
+                         "heldout": os.path.abspath(self.cfg.heldout) if self.cfg.heldout else None,
+                         "metrics": self.metrics_file, "step": self.step},
+        }
+
+
+def _row_state(row: dict[str, Any]) -> dict[str, Any]:
+    """The data position after this row, keyed by the stage that produced it (pack)."""
+    state, stage = row.get("state"), row.get("state_stage")
+    return {stage: state} if state is not None and stage else {}
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

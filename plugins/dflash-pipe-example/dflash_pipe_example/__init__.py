@@ -1,0 +1,1 @@
+"""Example dflash-pipe plugin (see plugin.py)."""

