@@ -14,6 +14,14 @@ import subprocess
 from functools import lru_cache
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
+_RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
+
+
+def expand_rank(spec: str) -> str:
+    """``cuda:{local_rank}`` / ``cuda:{local_rank+2}`` -> this torchrun worker's device, so one
+    pipeline file places every data-parallel rank (LOCAL_RANK, 0 outside torchrun)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return _RANK_RE.sub(lambda m: str(local + int(m.group(1) or 0)), spec)
 
 
 @lru_cache(maxsize=1)
@@ -45,7 +53,7 @@ def resolve_device(spec: str, hook: object | None = None) -> str:
         resolved = hook.dflash_pipe_resolve_device(spec=spec)  # type: ignore[attr-defined]
         if resolved is not None:
             return str(resolved)
-    m = _DEVICE_RE.match(spec.strip())
+    m = _DEVICE_RE.match(expand_rank(spec.strip()))
     if not m:
         raise ValueError(f"unknown device '{spec}' (expected cpu, cuda, cuda:N or mps)")
     kind, index = m.group(1), m.group(2)

@@ -22,13 +22,9 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return join(run_dir, CHECKPOINTS, pointer["name"]) if pointer else None
 
 
-def resume_states(run_dir: str) -> dict[str, Any]:
-    """Per-stage states saved with the latest complete checkpoint ({} if none)."""
+def resume_states(run_dir: str) -> tuple[str | None, dict[str, Any]]:
+    """(latest complete checkpoint, per-stage states saved with it); (None, {}) if none."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        return {}
-    states = read_json(join(ckpt, PIPELINE_STATE)) or {}
-    for state in states.values():
-        if isinstance(state, dict):
-            state.setdefault("checkpoint", ckpt)
-    return states
+        return None, {}
+    return ckpt, read_json(join(ckpt, PIPELINE_STATE)) or {}

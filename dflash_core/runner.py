@@ -66,7 +66,8 @@ class Runner:
     def __init__(self, pipeline: Pipeline, plugins: Any, *, only: str | None = None,
                  from_stage: str | None = None, resume: bool = False,
                  display: Any = None, queue_bound: int = QUEUE_BOUND,
-                 resume_states: dict[str, Any] | None = None) -> None:
+                 resume_states: dict[str, Any] | None = None,
+                 resume_checkpoint: str | None = None) -> None:
         self.p = pipeline
         self.plugins = plugins
         self.only, self.from_stage, self.resume = only, from_stage, resume
@@ -75,6 +76,7 @@ class Runner:
         self.store = ArtifactStore(pipeline.run_dir)
         self.record = RunRecord(pipeline.run_dir)
         self.resume_states = resume_states or {}
+        self.resume_checkpoint = resume_checkpoint
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -92,9 +94,10 @@ class Runner:
             return [s for s in order if s in chosen]
         return order
 
-    def external_inputs(self, statuses: dict[str, StageStatus]) -> dict[str, StageStatus]:
+    def external_inputs(self, statuses: dict[str, StageStatus],
+                        chosen_stages: list[str] | None = None) -> dict[str, StageStatus]:
         """Upstreams of selected stages that are not selected: they must be fresh artifacts."""
-        chosen = set(self.selected())
+        chosen = set(self.selected() if chosen_stages is None else chosen_stages)
         needed: dict[str, StageStatus] = {}
         for stage in chosen:
             for upstream in self.p.stages[stage].after.values():
@@ -127,6 +130,8 @@ class Runner:
                 out.append(PlanEntry(stage, "skip", "not selected"))
             elif self.only:
                 out.append(PlanEntry(stage, "run", "--only"))
+            elif self.from_stage:
+                out.append(PlanEntry(stage, "run", f"--from {self.from_stage}"))
             elif spec.cls.always_run:
                 out.append(PlanEntry(stage, "run", "reads the outside world: always checked"))
             elif st.state == "fresh":
@@ -137,6 +142,8 @@ class Runner:
 
     # ----------------------------------------------------------------- running
     def run(self) -> dict[str, StageResult]:
+        if self.world_size > 1:
+            return self._run_distributed()
         statuses = analyse(self.p, self.store, self.record)
         external = self.external_inputs(statuses)
         chosen = self.selected()
@@ -146,6 +153,40 @@ class Runner:
             return _Supervisor(self, chosen, external).run()
         finally:
             lock.release()
+
+    def shared_prefix(self) -> list[str]:
+        """Selected stages whose output is the same on every rank: materialized, fed only by
+        materialized links. Under torchrun rank 0 makes them once; the others read them."""
+        prefix: list[str] = []
+        for stage in self.selected():
+            spec = self.p.stages[stage]
+            if is_materialized(self.p, stage) and all(
+                    self.p.link(u, stage) == "materialize" for u in spec.after.values()):
+                prefix.append(stage)
+        return prefix
+
+    def _run_distributed(self) -> dict[str, StageResult]:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # gloo for barriers, NCCL for CUDA tensors
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        prefix = self.shared_prefix()
+        results: dict[str, StageResult] = {}
+        if self.rank == 0 and prefix:
+            lock = RunLock(self.p.run_dir, self.store)
+            lock.acquire()
+            try:
+                        results.update(_Supervisor(self, prefix, self.external_inputs(
+                    analyse(self.p, self.store, self.record), prefix)).run())
+            finally:
+                lock.release()
+        dist.barrier()
+        self.record = RunRecord(self.p.run_dir)
+        statuses = analyse(self.p, self.store, self.record)
+        rest = [s for s in self.selected() if s not in prefix]
+        external = self.external_inputs(statuses, rest)
+        results.update(_Supervisor(self, rest, external).run())
+        return results
 
     def _fire(self, name: str, **kwargs: Any) -> None:
         if self.plugins is not None:
@@ -203,6 +244,10 @@ class _Supervisor:
         for upstream in self.p.stages[stage].after.values():
             if self.p.link(upstream, stage) == "materialize" and upstream not in self.digests:
                 return False
+            # an inline upstream runs inside this stage's worker: its own inputs must be ready
+            if (upstream in self.chosen and self._executor(upstream) == "inline"
+                    and not self._ready(upstream)):
+                return False
         return True
 
     def _task(self, stage: str) -> StageTask:
@@ -234,6 +279,7 @@ class _Supervisor:
                            work_dir=work_dir, cache_dir=cache_dir, rank=self.r.rank,
                            world_size=self.r.world_size,
                            resume_state=self.r.resume_states.get(stage),
+                           resume_checkpoint=self.r.resume_checkpoint,
                            pipeline=self._pipeline_view())
         outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
         meta = {"impl": spec.impl, "version": spec.cls.version,
@@ -250,7 +296,8 @@ class _Supervisor:
     def _cached(self, stage: str) -> bool:
         """Skip a fresh stage (plain ``run`` only) and replay its artifact to stream consumers."""
         spec = self.p.stages[stage]
-        if self.r.only or spec.cls.always_run or not is_materialized(self.p, stage):
+        if (self.r.only or self.r.from_stage or spec.cls.always_run
+                or not is_materialized(self.p, stage)):
             return False
         if any(self.p.link(u, stage) == "stream" for u in spec.after.values()):
             return False
@@ -345,10 +392,14 @@ class _Supervisor:
     def _on_event(self, stage: str, event: dict[str, Any]) -> None:
         kind = event.get("type")
         res = self.results.get(stage)
-        if kind == "_start" and res is not None and stage in self.fused:
-            res.status, res.started = "running", time.time()
-            if self.r.display:
-                self.r.display.stage_started(stage)
+        if kind == "_start":
+            if res is not None and stage in self.fused:  # an inline stage has just started
+                res.status, res.started = "running", time.time()
+                spec = self.p.stages[stage]
+                self.r._fire("dflash_pipe_before_stage", stage=stage, kind=spec.cls.kind,
+                             impl=spec.impl, device=spec.device)
+                if self.r.display:
+                    self.r.display.stage_started(stage)
         elif kind == "_done" and res is not None:
             res.status, res.ended = "done", time.time()
             res.items, res.digest, res.summary = event["items"], event["digest"], event["summary"]
@@ -406,6 +457,12 @@ class _Supervisor:
             if self.results[stage].status == "running":
                 self.results[stage].status = "stopped"
         self._drain(0.05)
+        for ch in self.channels.values():
+            # a dead consumer process leaves our feeder thread blocked on a full pipe, and
+            # interpreter exit would join it forever: drop what it still holds
+            cancel = getattr(ch.q, "cancel_join_thread", None)
+            if cancel is not None:
+                cancel()
         stage, message, tb = _root_cause(self.failures)
         raise RunFailed(stage, message, tb)
 

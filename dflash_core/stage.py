@@ -87,6 +87,8 @@ class StageContext:
     world_size: int = 1
     resume_state: dict[str, Any] | None = None
     """This stage's state from the latest checkpoint when the run is resumed, else None."""
+    resume_checkpoint: str | None = None
+    """The checkpoint directory being resumed from (None on a fresh run)."""
     pipeline: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every stage of the pipeline: ``{name: {"kind", "impl", "params", "after"}}``, so a stage can
     adapt to its neighbours (the trainer snapshots at the checkpoint stage's cadence)."""

@@ -14,8 +14,10 @@ from dflash_core import hookimpl
 @hookimpl
 def dflash_pipe_register_stages(registry: Any) -> None:
     from dflash_stages.checkpoint import FsspecCheckpoint
+    from dflash_stages.download import FsspecDownload
     from dflash_stages.extract import HFHooksExtract
+    from dflash_stages.pack import BestFitPack
     from dflash_stages.train import DFlashTrain
 
-    for cls in (HFHooksExtract, DFlashTrain, FsspecCheckpoint):
+    for cls in (FsspecDownload, BestFitPack, HFHooksExtract, DFlashTrain, FsspecCheckpoint):
         registry.add(cls)

@@ -35,11 +35,12 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     from dflash_core.runner import Runner
     from dflash_core.resume import resume_states
 
-    states = resume_states(pipeline.run_dir) if getattr(args, "resume", False) else {}
-    if getattr(args, "resume", False) and not states:
-        console.print("no complete checkpoint found: starting from the beginning")
+    ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
+    if args.resume:
+        console.print(f"resuming from {ckpt}" if ckpt else
+                      "no complete checkpoint found: starting from the beginning")
     runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,
-                    resume=bool(states), resume_states=states)
+                    resume=ckpt is not None, resume_states=states, resume_checkpoint=ckpt)
     if args.dry_run:
         print_plan(runner)
         return EXIT_OK

@@ -1,0 +1,438 @@
+"""Best-fit-decreasing packing of tokenized samples into rows, with a resumable cursor.
+
+Pure numpy/pyarrow (no torch). Three parts:
+
+- :class:`SampleIndex` — per sample only its length and where it lives (source, record batch,
+  row): 16 bytes a sample (~14 MB for 900K). Tokens are read on demand, a window at a time, from
+  memory-mapped Arrow IPC shards.
+- :func:`plan_epoch` — the epoch's rows as sample ids, from lengths alone: a permutation seeded by
+  (seed, epoch); consecutive windows of ``shuffle_window`` samples; inside a window, samples by
+  length descending each go to the open row with the least room that still fits them (else a new
+  row); the window's rows are then shuffled (seeded by seed, epoch, window) and closed.
+- :class:`BestFitPacker` — iterates this rank's rows across epochs; ``state_dict()`` /
+  ``load_state_dict()`` (``{"epoch", "position"}``) resume at the exact next row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from bisect import bisect_left
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+__all__ = ["PackError", "SampleIndex", "EpochPlan", "plan_epoch", "BestFitPacker"]
+
+
+class PackError(RuntimeError):
+    """A packing problem with a one-line message (bad input, sample too long, bad state)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources of samples
+# ---------------------------------------------------------------------------------------------
+
+
+class _ArrowShard:
+    """One Arrow IPC shard (file or stream format), memory-mapped while open.
+
+    A remote shard is copied to a local temp file once (a stream-format shard is rewritten once
+    as an IPC file) so that record batches can be read at random. Shards are closed after
+    indexing and reopened on demand (the index keeps a bounded number open).
+    """
+
+    def __init__(self, url: str, tmp: "_TmpDir") -> None:
+        self.url = url
+        self._tmp = tmp
+        self._reader: Any = None
+        self._mmap: Any = None
+        self._local: str | None = None
+
+    def _open(self) -> Any:
+        if self._reader is not None:
+            return self._reader
+        import pyarrow as pa
+
+        if self._local is None:
+            self._local = self._localize()
+        self._mmap = pa.memory_map(self._local, "r")
+        self._reader = pa.ipc.open_file(self._mmap)
+        names = self._reader.schema.names
+        for col in ("input_ids", "loss_mask"):
+            if col not in names:
+                raise PackError(f"shard {self.url} has no '{col}' column (columns: {names})")
+        return self._reader
+
+    def _localize(self) -> str:
+        import pyarrow as pa
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(self.url)
+        protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+        if protocol in ("file", "local"):
+            local = path
+        else:  # remote: one sequential copy, then random access on the local copy
+            local = os.path.join(self._tmp.path(), f"shard-{id(self)}.arrow")
+            fs.get_file(path, local)
+        try:
+            with pa.memory_map(local, "r") as f:
+                pa.ipc.open_file(f)
+            return local
+        except pa.ArrowInvalid:  # IPC stream format: rewrite once as an IPC file
+            converted = os.path.join(self._tmp.path(), f"shard-{id(self)}-file.arrow")
+            with pa.memory_map(local, "r") as f, pa.ipc.open_stream(f) as rd:
+                with pa.OSFile(converted, "wb") as sink, pa.ipc.new_file(sink, rd.schema) as wr:
+                    for batch in rd:
+                        wr.write_batch(batch)
+            return converted
+
+    def close(self) -> None:
+        self._reader = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+    def num_batches(self) -> int:
+        return self._open().num_record_batches
+
+    def lengths(self, b: int) -> np.ndarray:
+        col = self._open().get_batch(b).column("input_ids")
+        return np.diff(col.offsets.to_numpy()).astype(np.int32)
+
+    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        rb = self._open().get_batch(b)
+        ids, mask = rb.column("input_ids"), rb.column("loss_mask")
+        return (ids.offsets.to_numpy(), ids.values.to_numpy(zero_copy_only=False),
+                mask.offsets.to_numpy(), mask.values.to_numpy(zero_copy_only=False))
+
+
+class _InlineSource:
+    """Samples given inline as dicts ``{"input_ids": [...], "loss_mask": [...]}`` (one batch)."""
+
+    url = "<inline>"
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+
+    def add(self, item: dict) -> None:
+        self.ids.append(np.asarray(item["input_ids"], dtype=np.int64).reshape(-1))
+        mask = item.get("loss_mask")
+        self.masks.append(np.ones(len(self.ids[-1]), np.uint8) if mask is None
+                          else np.asarray(mask).astype(np.uint8).reshape(-1))
+
+    def num_batches(self) -> int:
+        return 1
+
+    def close(self) -> None:
+        pass
+
+    def lengths(self, b: int) -> np.ndarray:
+        return np.array([len(x) for x in self.ids], dtype=np.int32)
+
+    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        offs = np.concatenate([[0], np.cumsum([len(x) for x in self.ids])]).astype(np.int64)
+        moffs = np.concatenate([[0], np.cumsum([len(x) for x in self.masks])]).astype(np.int64)
+        cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
+        return offs, cat(self.ids, np.int64), moffs, cat(self.masks, np.uint8)
+
+
+class _TmpDir:
+    def __init__(self) -> None:
+        self._path: str | None = None
+
+    def path(self) -> str:
+        if self._path is None:
+            self._path = tempfile.mkdtemp(prefix="dflash-pack-")
+        return self._path
+
+    def cleanup(self) -> None:
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
+            self._path = None
+
+
+@dataclass
+class SampleIndex:
+    """Length and location of every sample, in input order."""
+
+    lengths: np.ndarray   # int32 [N]
+    source: np.ndarray    # int32 [N] index into sources
+    batch: np.ndarray     # int32 [N] record batch in the source
+    row: np.ndarray       # int32 [N] row in the record batch
+    sources: list
+    empty: int = 0        # zero-length samples left out
+    _tmp: Any = None
+    max_open: int = 64    # shards kept memory-mapped at once
+    _open_lru: Any = None
+
+    @classmethod
+    def build(cls, items: Iterable[Any]) -> "SampleIndex":
+        """Read every shard's ``input_ids`` offsets once; accept inline sample dicts too."""
+        tmp = _TmpDir()
+        sources: list = []
+        inline: _InlineSource | None = None
+        for item in items:
+            if isinstance(item, dict) and ("shard" in item or "path" in item) and "input_ids" not in item:
+                sources.append(_ArrowShard(str(item.get("shard") or item["path"]), tmp))
+            elif isinstance(item, dict) and "input_ids" in item:
+                if inline is None:
+                    inline = _InlineSource()
+                    sources.append(inline)
+                inline.add(item)
+            else:
+                raise PackError(f"pack: unexpected input item {str(item)[:120]!r} (want a shard "
+                                "descriptor {'shard': path, ...} or a sample {'input_ids': [...]})")
+        parts: list[tuple[np.ndarray, ...]] = []
+        for s, src in enumerate(sources):
+            try:
+                for b in range(src.num_batches()):
+                    lens = src.lengths(b)
+                    n = len(lens)
+                    parts.append((lens, np.full(n, s, np.int32), np.full(n, b, np.int32),
+                                  np.arange(n, dtype=np.int32)))
+            except PackError:
+                raise
+            except Exception as exc:
+                raise PackError(f"cannot read shard {src.url}: {type(exc).__name__}: {exc}") from exc
+            finally:
+                src.close()
+        if parts:
+            lengths, source, batch, row = (np.concatenate(x) for x in zip(*parts))
+        else:
+            lengths, source, batch, row = (np.zeros(0, np.int32) for _ in range(4))
+        keep = lengths > 0
+        empty = int((~keep).sum())
+        if empty:
+            lengths, source, batch, row = lengths[keep], source[keep], batch[keep], row[keep]
+        return cls(lengths, source, batch, row, sources, empty, tmp)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def load(self, sample_ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Tokens and masks of ``sample_ids``, reading each record batch once."""
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        sample_ids = np.unique(np.asarray(sample_ids, dtype=np.int64))
+        if len(sample_ids) == 0:
+            return out
+        key = self.source[sample_ids].astype(np.int64) << 32 | self.batch[sample_ids].astype(np.int64)
+        order = np.argsort(key, kind="stable")
+        sample_ids, key = sample_ids[order], key[order]
+        bounds = np.flatnonzero(np.diff(key)) + 1
+        for group in np.split(sample_ids, bounds):
+            s, b = int(self.source[group[0]]), int(self.batch[group[0]])
+            src = self.sources[s]
+            if self._open_lru is None:
+                self._open_lru = OrderedDict()
+            self._open_lru[s] = None
+            self._open_lru.move_to_end(s)
+            while len(self._open_lru) > self.max_open:
+                self.sources[self._open_lru.popitem(last=False)[0]].close()
+            offs, vals, moffs, mvals = src.batch(b)
+            for sid in group.tolist():
+                r = int(self.row[sid])
+                ids = np.array(vals[offs[r]:offs[r + 1]], dtype=np.int64)
+                mask = np.array(mvals[moffs[r]:moffs[r + 1]], dtype=np.bool_)
+                if len(mask) != len(ids):
+                    raise PackError(f"{src.url}: row {r} of batch {b} has {len(ids)} input_ids "
+                                    f"but {len(mask)} loss_mask values")
+                out[sid] = (ids, mask)
+        return out
+
+    def close(self) -> None:
+        for src in self.sources:
+            src.close()
+        self._open_lru = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (lengths only)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpochPlan:
+    samples: np.ndarray       # int64 [M]: sample ids, row after row
+    row_offsets: np.ndarray   # int64 [R+1]: row g = samples[row_offsets[g]:row_offsets[g+1]]
+    window_rows: np.ndarray   # int64 [W+1]: rows of window w = [window_rows[w], window_rows[w+1])
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_offsets) - 1
+
+    def row(self, g: int) -> np.ndarray:
+        return self.samples[self.row_offsets[g]:self.row_offsets[g + 1]]
+
+
+def _best_fit(order: np.ndarray, lengths: np.ndarray, cap: int) -> list[list[int]]:
+    """Best-fit decreasing: each sample (already sorted) into the fullest open row it fits."""
+    rows: list[list[int]] = []
+    rems: list[int] = []   # sorted remaining room of the open rows …
+    rids: list[int] = []   # … and which row each is
+    for sid, n in zip(order.tolist(), lengths[order].tolist()):
+        i = bisect_left(rems, n)
+        if i == len(rems):
+            r, room = len(rows), cap - n
+            rows.append([sid])
+        else:
+            r, room = rids.pop(i), rems.pop(i) - n
+            rows[r].append(sid)
+        if room > 0:
+            j = bisect_left(rems, room)
+            rems.insert(j, room)
+            rids.insert(j, r)
+    return rows
+
+
+def plan_epoch(lengths: np.ndarray, tokens_per_row: int, shuffle_window: int, seed: int,
+               epoch: int) -> EpochPlan:
+    n = len(lengths)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    samples: list[np.ndarray] = []
+    sizes: list[int] = []
+    window_rows = [0]
+    for w, start in enumerate(range(0, n, shuffle_window)):
+        win = perm[start:start + shuffle_window]
+        win = win[np.argsort(-lengths[win].astype(np.int64), kind="stable")]
+        rows = _best_fit(win, lengths, tokens_per_row)
+        for k in np.random.default_rng([seed, epoch, 1, w]).permutation(len(rows)).tolist():
+            samples.append(np.asarray(rows[k], np.int64))
+            sizes.append(len(rows[k]))
+        window_rows.append(window_rows[-1] + len(rows))
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return EpochPlan(np.concatenate(samples) if samples else np.zeros(0, np.int64), offsets,
+                     np.asarray(window_rows, np.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# The resumable packer
+# ---------------------------------------------------------------------------------------------
+
+
+class BestFitPacker:
+    """Iterator over this rank's packed rows, epoch after epoch (torchdata.nodes-style state).
+
+    Rank ``r`` of ``W`` takes the epoch's rows ``r, r+W, r+2W, …``. Every rank yields the same
+    number of rows per epoch: ``floor(R/W)`` with ``drop_last`` (the last ``R mod W`` rows are not
+    used), else ``ceil(R/W)``, the missing tail rows repeating the epoch's first rows.
+    """
+
+    def __init__(self, index: SampleIndex, *, tokens_per_row: int, shuffle_window: int = 10000,
+                 seed: int = 0, epochs: int = 1, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False, pad_to: int = 0, pad_token_id: int = 0) -> None:
+        if not 0 <= rank < world_size:
+            raise PackError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.index = index
+        self.tokens_per_row = tokens_per_row
+        self.shuffle_window = max(1, shuffle_window)
+        self.seed, self.epochs = seed, epochs
+        self.rank, self.world_size = rank, world_size
+        self.drop_last, self.pad_to, self.pad_token_id = drop_last, pad_to, pad_token_id
+        too_long = index.lengths > tokens_per_row
+        if too_long.any():
+            raise PackError(f"{int(too_long.sum())} samples are longer than tokens_per_row="
+                            f"{tokens_per_row} (longest {int(index.lengths.max())} tokens); "
+                            "set tokenize max_len <= tokens_per_row or raise tokens_per_row")
+        self._plans: OrderedDict[int, EpochPlan] = OrderedDict()
+        self._chunk: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._chunk_key: tuple[int, int, int] | None = None  # (epoch, first k, end k)
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------------
+    def reset(self, initial_state: dict | None = None) -> None:
+        self.epoch, self.position = 0, 0
+        self._chunk, self._chunk_key = {}, None
+        if initial_state is not None:
+            self.load_state_dict(initial_state)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError):
+            raise PackError(f"bad pack state {state!r}: want {{'epoch': int, 'position': int}}") from None
+        if epoch < 0 or position < 0:
+            raise PackError(f"bad pack state {state!r}: negative epoch/position")
+        self.epoch, self.position = epoch, position
+        self._chunk, self._chunk_key = {}, None
+        self._normalize()
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, epoch: int) -> EpochPlan:
+        if epoch not in self._plans:
+            self._plans[epoch] = plan_epoch(self.index.lengths, self.tokens_per_row,
+                                            self.shuffle_window, self.seed, epoch)
+            while len(self._plans) > 2:
+                self._plans.popitem(last=False)
+        return self._plans[epoch]
+
+    def rows_in_epoch(self, epoch: int) -> int:
+        """Rows this rank yields in ``epoch`` (the same for every rank)."""
+        total = self.plan(epoch).num_rows
+        return total // self.world_size if self.drop_last else -(-total // self.world_size)
+
+    def global_row(self, epoch: int, k: int) -> int:
+        total = self.plan(epoch).num_rows
+        g = k * self.world_size + self.rank
+        return g if g < total else g % total
+
+    def _normalize(self) -> None:
+        while self.epoch < self.epochs and self.position >= self.rows_in_epoch(self.epoch):
+            self.position -= self.rows_in_epoch(self.epoch)
+            self.epoch += 1
+            self._chunk, self._chunk_key = {}, None
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        self._normalize()
+        if self.epoch >= self.epochs:
+            raise StopIteration
+        epoch, k = self.epoch, self.position
+        plan = self.plan(epoch)
+        if self._chunk_key is None or not (self._chunk_key[0] == epoch
+                                           and self._chunk_key[1] <= k < self._chunk_key[2]):
+            self._materialize(epoch, k)
+        g = self.global_row(epoch, k)
+        sids = plan.row(g)
+        parts = [self._chunk[int(s)] for s in sids]
+        lens = np.array([len(p[0]) for p in parts], np.int64)
+        n = int(lens.sum())
+        pad = (-n) % self.pad_to if self.pad_to else 0
+        ids = np.concatenate([p[0] for p in parts] + [np.full(pad, self.pad_token_id, np.int64)])
+        mask = np.concatenate([p[1] for p in parts] + [np.zeros(pad, np.bool_)])
+        doc_lengths = np.concatenate([lens, [pad]]) if pad else lens
+        starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]])
+        position_ids = np.arange(n + pad, dtype=np.int64) - np.repeat(starts, doc_lengths)
+        self.position += 1
+        self._normalize()
+        return {"input_ids": ids, "loss_mask": mask, "position_ids": position_ids,
+                "doc_lengths": doc_lengths, "num_tokens": n, "num_pad": pad,
+                "samples": sids.copy(), "epoch": epoch, "index": k, "global_index": g,
+                "state": self.state_dict()}
+
+    def _materialize(self, epoch: int, k0: int) -> None:
+        """Load the tokens of this rank's rows from ``k0`` to the end of ``k0``'s window."""
+        plan = self.plan(epoch)
+        n_rows = self.rows_in_epoch(epoch)
+        ks = np.arange(k0, n_rows, dtype=np.int64)
+        gs = ks * self.world_size + self.rank
+        gs = np.where(gs < plan.num_rows, gs, gs % max(plan.num_rows, 1))
+        win = np.searchsorted(plan.window_rows, gs, side="right") - 1
+        same = (win == win[0]) & (np.concatenate([[True], np.diff(gs) > 0]).cumprod() > 0)
+        end = int(np.argmin(same)) if not same.all() else len(same)
+        sids = np.concatenate([plan.row(int(g)) for g in gs[:end]])
+        self._chunk = self.index.load(sids)
+        self._chunk_key = (epoch, k0, k0 + end)
