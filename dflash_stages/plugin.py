@@ -15,9 +15,13 @@ from dflash_core import hookimpl
 def dflash_pipe_register_stages(registry: Any) -> None:
     from dflash_stages.checkpoint import FsspecCheckpoint
     from dflash_stages.download import FsspecDownload
+    from dflash_stages.evaluate import SpecDecodeEvaluate
     from dflash_stages.extract import HFHooksExtract
     from dflash_stages.pack import BestFitPack
+    from dflash_stages.random_rows import RandomRows
+    from dflash_stages.tokenize import ChatTemplateTokenize
     from dflash_stages.train import DFlashTrain
 
-    for cls in (FsspecDownload, BestFitPack, HFHooksExtract, DFlashTrain, FsspecCheckpoint):
+    for cls in (FsspecDownload, ChatTemplateTokenize, BestFitPack, HFHooksExtract, DFlashTrain,
+                FsspecCheckpoint, SpecDecodeEvaluate, RandomRows):
         registry.add(cls)

@@ -23,16 +23,65 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}[name]
 
 
+RANDOM_PREFIX = "random:"
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # shapes of public configs, for benchmarks with random weights (nothing is downloaded)
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+}
+
+
+class _NoTokenizer:
+    """Stands in for the tokenizer of a random-weight target: every row but the last is 'used'."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.all_special_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return self.vocab_size - 1
+
+
+def random_target(spec: str, device: str, torch_dtype: torch.dtype,
+                  attn_implementation: str) -> tuple[nn.Module, Any]:
+    """``random:qwen3-8b`` (a preset) or ``random:/path/config.json``: real shapes, random weights,
+    built directly on the device — for benchmarks at production dimensions."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
+    name = spec[len(RANDOM_PREFIX):]
+    if name in PRESETS:
+        cfg = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                          tie_word_embeddings=False, **PRESETS[name])
+    else:
+        with open(name) as f:
+            raw = json.load(f)
+        cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype,
+                                              attn_implementation=attn_implementation)
+    return lm, _NoTokenizer(cfg.vocab_size)
+
+
 def load_target(model: str, device: str = "cpu", dtype: str = "auto",
                 attn_implementation: str = "sdpa") -> tuple[nn.Module, Any]:
-    """(model, tokenizer) for a path, a hub name, or ``smollm2`` (the bundled GGUF target).
+    """(model, tokenizer) for a path, a hub name, ``smollm2`` (the bundled GGUF target) or
+    ``random:PRESET`` (random weights at real shapes, for benchmarks).
 
     The model is frozen, in eval mode, on ``device``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype, device)
-    if model == "smollm2":
+    if model.startswith(RANDOM_PREFIX):
+        lm, tok = random_target(model, device, torch_dtype, attn_implementation)
+    elif model == "smollm2":
         from dflash_stages.smollm2 import load_smollm2
 
         lm, tok = load_smollm2(dtype=torch_dtype)

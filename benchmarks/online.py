@@ -1,0 +1,194 @@
+"""Online training throughput on one GPU: target forward alone, drafter step alone, the two
+back to back, and the whole pipeline (pack:random -> extract -> train) through the runner.
+
+    python benchmarks/online.py                                   # Qwen3-8B dims, 8,192-token rows
+    python benchmarks/online.py --preset qwen3-32b --layers 1,16,31,46,61 --rows 12
+    python benchmarks/online.py --device cpu --preset tiny        # smoke test
+
+Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target forward =
+2 x non-embedding params x T + causal attention within documents).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.drafter import build_blocks, doc_ids_from_lengths, sample_anchors, training_flops  # noqa: E402
+from dflash_core.stage import StageContext  # noqa: E402
+from dflash_stages.random_rows import RandomRowsConfig, random_row  # noqa: E402
+from dflash_stages.target import PRESETS, FeatureCapture, load_target, packed_attention_mask  # noqa: E402
+from dflash_stages.train import TrainConfig  # noqa: E402
+from dflash_stages.trainer import Trainer  # noqa: E402
+
+PRESETS.setdefault("tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+PEAK = 744e12  # bf16 matmul measured on the H200 (DESIGN §8)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds for fn(), by CUDA events on a GPU, by the clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def target_flops(model: torch.nn.Module, lengths: list[int], top_layer: int) -> float:
+    """Forward FLOPs up to ``top_layer`` (the extract stops there): 2·params·T + attention."""
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n)
+    frac = (top_layer + 1) / L
+    T = sum(lengths)
+    attn = 4 * cfg.num_attention_heads * cfg.head_dim * sum(n * (n + 1) / 2 for n in lengths)
+    return frac * (2 * layer_params * L * T + L * attn)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", default="auto")
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dtype_name = "bf16" if dev.type == "cuda" else "float32"
+    model_ref = f"random:{args.preset}"
+    layers = "auto" if args.layers == "auto" else [int(x) for x in args.layers.split(",")]
+    res: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "device": str(dev),
+                           "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    # ---------------------------------------------------------------- the parts alone
+    t0 = time.perf_counter()
+    target, tok = load_target(model_ref, args.device, dtype_name)
+    res["target_init_s"] = time.perf_counter() - t0
+    from dflash_core.drafter import default_target_layer_ids
+    L = target.config.num_hidden_layers
+    ids = default_target_layer_ids(L, 5) if layers == "auto" else layers
+    res["layer_ids"] = ids
+    cap = FeatureCapture(target, ids)
+    rcfg = RandomRowsConfig(rows=args.rows, tokens_per_row=args.tokens, vocab_size=target.config.vocab_size - 1)
+    rows = [random_row(rcfg, i) for i in range(args.rows)]
+    dtype = next(target.parameters()).dtype
+
+    def forward(row: dict[str, Any]) -> torch.Tensor:
+        x = torch.as_tensor(row["input_ids"]).to(dev)[None]
+        pos = torch.as_tensor(row["position_ids"]).to(dev)[None]
+        mask = packed_attention_mask(row["doc_lengths"], args.tokens, dtype, dev)
+        return cap.capture(x, pos, mask)[0][0]
+
+    fwd = [timed(lambda r=r: forward(r), dev) for r in rows]
+    fwd_s = statistics.median(fwd[args.warmup:])
+    tf = target_flops(target, rows[0]["doc_lengths"], max(ids))
+    res.update(target_ms=fwd_s * 1e3, target_tok_s=args.tokens / fwd_s, target_tflops=tf / fwd_s / 1e12)
+
+    from dflash_stages.target import embeddings_and_head
+    embed, head = embeddings_and_head(target)
+    header = {"kind": "target", "model": model_ref, "config": target.config.to_dict(), "target_layer_ids": ids,
+              "embed_weight": embed, "lm_head_weight": head, "tokenizer_len": len(tok), "all_special_ids": []}
+    tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name)
+    work = tempfile.mkdtemp()
+    trainer = Trainer(tcfg, StageContext(stage="train", config=tcfg, device=args.device, run_dir=work,
+                                         work_dir=work))
+    trainer.setup(header)
+    feats = forward(rows[0])
+
+    def step(row: dict[str, Any], f: torch.Tensor) -> None:
+        trainer._forward_backward(dict(row, features=f), 0)
+        trainer._optimizer_step(None)
+        trainer.step += 1
+
+    first = timed(lambda: step(rows[0], feats), dev)
+    stp = [timed(lambda r=r: step(r, feats), dev) for r in rows]
+    step_s = statistics.median(stp[args.warmup:])
+    r0 = rows[0]
+    docs = doc_ids_from_lengths(r0["doc_lengths"], args.tokens)
+    anchors = sample_anchors(torch.as_tensor(r0["loss_mask"]).long(), r0["doc_lengths"], args.anchors,
+                             torch.Generator().manual_seed(0))
+    _, _, layout = build_blocks(torch.as_tensor(r0["input_ids"]), torch.as_tensor(r0["position_ids"]), docs,
+                                anchors, 16, 0)
+    df = training_flops(trainer.model.config, args.tokens, int(anchors.numel()), layout.attended_pairs())["step"]
+    res.update(drafter_first_step_s=first, drafter_ms=step_s * 1e3, drafter_tok_s=args.tokens / step_s,
+               drafter_tflops=df / step_s / 1e12)
+
+    b2b = [timed(lambda r=r: step(r, forward(r)), dev) for r in rows]
+    b2b_s = statistics.median(b2b[args.warmup:])
+    res.update(back_to_back_ms=b2b_s * 1e3, back_to_back_tok_s=args.tokens / b2b_s)
+    if dev.type == "cuda":
+        res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    del trainer, target, cap, embed, head, header, feats
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    # ---------------------------------------------------------------- the pipeline
+    from dflash_core.pipeline_file import load_pipeline_text
+    from dflash_core.plugins import PluginManager
+    from dflash_core.runner import Runner
+
+    n_rows = args.rows * 2
+    yaml_text = f"""
+version: 1
+run_dir: {work}/run
+stages:
+  pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
+  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}}}}}
+  train: {{uses: dflash, after: extract, device: {args.device},
+          params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 4, dtype: {dtype_name}}}}}
+"""
+    pm = PluginManager(autoload=False)
+    pipeline = load_pipeline_text(yaml_text, pm)
+    t0 = time.perf_counter()
+    Runner(pipeline, pm).run()
+    res["pipeline_wall_s"] = time.perf_counter() - t0
+    metrics = [json.loads(x) for x in open(f"{work}/run/metrics.jsonl")]
+    steady = [m["tokens_per_s"] for m in metrics[2:]] or [m["tokens_per_s"] for m in metrics]
+    pipe_tok_s = statistics.median(steady)
+    res.update(pipeline_tok_s=pipe_tok_s, pipeline_ms=args.tokens / pipe_tok_s * 1e3,
+               overhead_vs_back_to_back=(args.tokens / pipe_tok_s) / b2b_s - 1)
+    if dev.type == "cuda":
+        res["peak_gib_pipeline"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"online-{args.preset}-{args.tokens}.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    print(f"\n{'what':34s} {'ms/row':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s}")
+    print(f"{'target forward (hooks)':34s} {res['target_ms']:9.1f} {res['target_tok_s']:10.0f} {res['target_tflops']:8.1f}")
+    print(f"{'drafter step':34s} {res['drafter_ms']:9.1f} {res['drafter_tok_s']:10.0f} {res['drafter_tflops']:8.1f}")
+    print(f"{'back to back':34s} {res['back_to_back_ms']:9.1f} {res['back_to_back_tok_s']:10.0f}")
+    print(f"{'pipeline (runner, threads)':34s} {res['pipeline_ms']:9.1f} {res['pipeline_tok_s']:10.0f}")
+    print(f"pipeline overhead vs back to back: {res['overhead_vs_back_to_back'] * 100:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

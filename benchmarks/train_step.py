@@ -1,0 +1,188 @@
+"""Drafter training-step benchmark: step time, tokens/s, TFLOP/s (DESIGN §8 FLOP model), peak memory.
+
+Default: CUDA, Qwen3-8B dimensions (random weights, no downloads), one 8,192-token packed row of 3
+documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA), grad clip 1.0.
+
+    python benchmarks/train_step.py                      # the H200 run
+    python benchmarks/train_step.py --device cpu --tiny  # smoke test (any machine)
+    python benchmarks/train_step.py --out results/       # also write results/train_step.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# this folder holds scripts named like stdlib modules (tokenize.py): never import from it by accident
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.drafter.attention import resolve_backend  # noqa: E402
+from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,  # noqa: E402
+                                 drafter_loss, sample_anchors, training_flops)
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=8, vocab_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Options shared with flex_vs_sdpa.py."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny dims and row (smoke test)")
+    p.add_argument("--tokens", type=int, default=None, help="packed row length (default 8192; tiny 256)")
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--anchors", type=int, default=None, help="anchors per row (default 512; tiny 16)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="directory for a JSON result file")
+
+
+def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> dict[str, Any]:
+    """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised)."""
+    dev = torch.device(args.device)
+    cfg = TINY if args.tiny else QWEN3_8B
+    T = args.tokens or (256 if args.tiny else 8192)
+    N = args.anchors or (16 if args.tiny else 512)
+    g = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    model = DFlashDrafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=V - 1,
+                          attn_backend=backend).to(device=dev, dtype=dtype)
+    k = len(model.config.target_layer_ids)
+    base, rest = divmod(T, args.docs)
+    lengths = [base + (i < rest) for i in range(args.docs)]
+    loss_mask = torch.ones(T, dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    start = 0
+    for n in lengths:  # first 10% of each document is its prompt
+        loss_mask[start:start + n // 10] = 0
+        start += n
+    return dict(
+        model=model, cfg=model.config, T=T, N=N, lengths=lengths, device=dev,
+        input_ids=torch.randint(0, V - 1, (T,), generator=g).to(dev),
+        loss_mask=loss_mask.to(dev), position_ids=position_ids.to(dev),
+        features=torch.randn(T, k * H, generator=g).to(dev, dtype),
+        embed=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
+        lm_head=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
+    )
+
+
+def attended_pairs(s: dict[str, Any], anchors: torch.Tensor) -> list[int]:
+    """P of each draft layer's mask for these anchors (the FLOP model's attention term)."""
+    cfg = s["cfg"]
+    docs = doc_ids_from_lengths(s["lengths"], s["T"], s["device"])
+    layout = build_blocks(s["input_ids"], s["position_ids"], docs, anchors, cfg.block_size, cfg.mask_token_id)[2]
+    return [layout.attended_pairs(cfg.sliding_window if lt == "sliding_attention" else None) for lt in cfg.layer_types]
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    s = make_setup(args, torch.bfloat16, backend)
+    model, dev = s["model"], s["device"]
+    fused = {"fused": True} if dev.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.0, **fused)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def step() -> torch.Tensor:
+        anchors = sample_anchors(s["loss_mask"], s["lengths"], s["N"], gen)
+        out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
+                           anchors, s["embed"], s["lm_head"])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return anchors
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    sync(dev)
+    t0 = time.perf_counter()
+    step()
+    sync(dev)
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    times, flops = [], []
+    for _ in range(args.steps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            anchors = step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            anchors = step()
+            times.append(time.perf_counter() - t0)
+        flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
+    med = statistics.median(times)
+    tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
+    return dict(backend=resolve_backend(backend, dev), device=str(dev), torch=torch.__version__, tokens=s["T"], anchors=s["N"],
+                block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
+                step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
+                tflop_per_s=tflops, mfu=tflops * 1e12 / H200_BF16_PEAK,
+                peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+                steps=args.steps)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--backend", default="auto", choices=["auto", "flex", "sdpa", "both"])
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
+    args = p.parse_args()
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 30)
+    backends = ["flex", "sdpa"] if args.backend == "both" else [args.backend]
+    if args.device == "cpu" and args.backend in ("auto", "both"):
+        backends = ["sdpa"]  # flex_attention has no backward on CPU
+    results, failures = [], {}
+    for b in backends:
+        try:
+            results.append(run(args, b))
+        except Exception as e:  # report and keep going: one backend failing must not hide the other
+            traceback.print_exc()
+            failures[b] = f"{type(e).__name__}: {e}"
+            if b == "auto" and args.device != "cpu":
+                print("auto backend failed; retrying with sdpa", file=sys.stderr)
+                results.append(run(args, "sdpa"))
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
+    print(f"\n{'backend':8} {'first step s':>12} {'step ms':>9} {'tokens/s':>10} {'TFLOP/step':>10} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+    for r in results:
+        mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
+        print(f"{r['backend']:8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} {r['tokens_per_s']:10.0f} "
+              f"{r['tflop_per_step']:10.2f} {r['tflop_per_s']:8.1f} {r['mfu']:6.1%} {mem}")
+    for b, msg in failures.items():
+        print(f"{b:8} FAILED: {msg}")
+    return 1 if failures and not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+import math
+
+import torch
+from conftest import packed_row
+
+from dflash_core.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths, sample_anchors,
+                                 slot_weights, tau_sim)
+
+
+def test_doc_ids_from_lengths_marks_padding():
+    assert doc_ids_from_lengths([2, 3], 7).tolist() == [0, 0, 1, 1, 1, -1, -1]
+
+
+def test_candidates_need_two_supervised_rows_in_one_document():
+    docs = doc_ids_from_lengths([4, 4], 9)
+    lm = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1, 1])  # row 8 is padding
+    # a=3: rows 3,4 straddle documents; a=5,6: loss_mask[6]=0; a=7: row 8 is padding
+    assert anchor_candidates(lm, docs).tolist() == [1, 2, 4]
+
+
+def test_sample_anchors_count_order_uniqueness_reproducibility():
+    r = packed_row()
+    cand = set(anchor_candidates(r["loss_mask"], doc_ids_from_lengths(r["doc_lengths"], 40)).tolist())
+    a = sample_anchors(r["loss_mask"], r["doc_lengths"], 7, torch.Generator().manual_seed(3))
+    assert a.dtype == torch.long and len(a) == 7 and torch.equal(a, a.sort().values)
+    assert len(set(a.tolist())) == 7 and set(a.tolist()) <= cand
+    assert torch.equal(a, sample_anchors(r["loss_mask"], r["doc_lengths"], 7, torch.Generator().manual_seed(3)))
+    draws = {tuple(sample_anchors(r["loss_mask"], r["doc_lengths"], 7, torch.Generator().manual_seed(s)).tolist())
+             for s in range(5)}
+    assert len(draws) > 1  # afresh per draw
+    every = sample_anchors(r["loss_mask"], None, 10_000, torch.Generator().manual_seed(0),
+                           doc_ids=doc_ids_from_lengths(r["doc_lengths"], 40))
+    assert set(every.tolist()) == cand  # min(N, #candidates)
+
+
+def test_labels_are_the_token_at_a_plus_k_and_never_cross_documents():
+    r = packed_row()
+    T, B = 40, 6
+    docs = doc_ids_from_lengths(r["doc_lengths"], T)
+    anchors = anchor_candidates(r["loss_mask"], docs)
+    labels, sup, rows = block_labels(r["input_ids"], r["loss_mask"], docs, anchors, B)
+    for n, a in enumerate(anchors.tolist()):
+        for k in range(1, B):
+            p = a + k
+            want = p < T and docs[p] == docs[a] and r["loss_mask"][p] == 1
+            assert bool(sup[n, k - 1]) == bool(want)
+            if want:
+                assert labels[n, k - 1] == r["input_ids"][p]  # the token AT a+k, not a+k+1
+                assert rows[n, k - 1] == p
+    assert sup[:, 0].all()  # slot 1 is always supervised: candidates guarantee loss_mask[a+1] = 1
+    assert not sup.all()  # some blocks run into a document end or an unsupervised hole
+
+
+def test_blocks_tokens_and_per_document_positions():
+    r = packed_row()
+    docs = doc_ids_from_lengths(r["doc_lengths"], 40)
+    anchors = torch.tensor([5, 14, 30])  # one per document (starts 0, 12, 21)
+    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, 63)
+    assert ids[:, 0].tolist() == r["input_ids"][anchors].tolist() and (ids[:, 1:] == 63).all()
+    assert pos.tolist() == [[5, 6, 7, 8], [2, 3, 4, 5], [9, 10, 11, 12]]  # pos(a) + k, positions restart per doc
+    assert layout.block_doc.tolist() == [0, 1, 2] and layout.block_start.tolist() == [5, 14, 30]
+
+
+def test_slot_weights():
+    w = slot_weights(4, 2.0)
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)], dtype=torch.float64))
+    assert slot_weights(16, 7.0)[14].item() == math.exp(-2.0)
+
+
+def test_tau_sim_counts_leading_correct_slots():
+    c = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert tau_sim(c).item() == (3 + 1 + 4) / 3

@@ -1,0 +1,186 @@
+import pytest
+import torch
+from conftest import MASK_ID, make_drafter, packed_row
+from reference import reference_block_logits, reference_loss
+
+from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
+
+SLIDING = dict(layer_types=["full_attention", "sliding_attention"], config_kw=dict(use_sliding_window=True, sliding_window=3))
+
+
+def _setup(seed=0, n=6, **kw):
+    r = packed_row(seed)
+    model = make_drafter(**kw)
+    anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], n, torch.Generator().manual_seed(seed))
+    docs = doc_ids_from_lengths(r["doc_lengths"], 40)
+    return r, model, anchors, docs
+
+
+def _loss(model, r, anchors, **kw):
+    return drafter_loss(model, r["features"], r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
+                        anchors, r["E"], r["W"], **kw)
+
+
+def _grads(model):
+    g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return g
+
+
+@pytest.mark.parametrize("kw", [{}, SLIDING], ids=["full", "sliding"])
+def test_model_matches_float64_reference_logits_loss_and_grads(kw):
+    r, model, anchors, docs = _setup(**kw)
+    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, MASK_ID)
+    ref_loss, ref_logits = reference_loss(model, r["features"], r["input_ids"], r["loss_mask"], r["position_ids"],
+                                          docs, anchors, r["E"], r["W"], gamma=3.0)
+    ref_loss.backward()
+    ref_g = _grads(model)
+    hidden = model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
+    torch.testing.assert_close(hidden[:, 1:] @ r["W"].T, ref_logits, rtol=1e-5, atol=1e-9)
+    out = _loss(model, r, anchors, gamma=3.0, chunk_rows=5)
+    out.loss.backward()
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_g[n], rtol=1e-5, atol=1e-9, msg=n)
+
+
+def test_chunked_loss_equals_unchunked_loss_and_grads():
+    r, model, anchors, _ = _setup(n=12)
+    results = []
+    for chunk in (1, 7, 10**6):
+        out = _loss(model, r, anchors, chunk_rows=chunk)
+        out.loss.backward()
+        results.append((out.loss.detach(), _grads(model), out.tau_sim, out.per_slot_correct))
+    for loss, g, tau, pc in results[:-1]:
+        torch.testing.assert_close(loss, results[-1][0], rtol=1e-12, atol=0)
+        assert tau == results[-1][2] and torch.equal(pc, results[-1][3])
+        for n in g:
+            torch.testing.assert_close(g[n], results[-1][1][n], rtol=1e-10, atol=1e-14)
+
+
+def test_metrics_match_explicit_count():
+    r, model, anchors, docs = _setup(n=12)
+    out = _loss(model, r, anchors)
+    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, MASK_ID)
+    logits = model(r["features"], ids, r["position_ids"], pos, layout, r["E"])[:, 1:] @ r["W"].T
+    pred = logits.argmax(-1)
+    correct = torch.zeros(len(anchors), 3, dtype=torch.bool)
+    count = torch.zeros(3, dtype=torch.long)
+    for n, a in enumerate(anchors.tolist()):
+        for k in range(1, 4):
+            p = a + k
+            if p < 40 and docs[p] == docs[a] and r["loss_mask"][p] == 1:
+                count[k - 1] += 1
+                correct[n, k - 1] = bool(pred[n, k - 1] == r["input_ids"][p])
+    assert torch.equal(out.per_slot_count, count) and torch.equal(out.per_slot_correct, correct.sum(0))
+    leading = torch.tensor([next((i for i, c in enumerate(row) if not c), 3) for row in correct.tolist()])
+    assert out.tau_sim.item() == pytest.approx((1 + leading).double().mean().item())
+    assert out.n_blocks == len(anchors) and out.n_supervised == int(count.sum())
+
+
+def _target_hidden_and_expected(model, r, anchors, docs, th):
+    logits = reference_block_logits(model, r["features"], r["input_ids"], r["position_ids"], docs, anchors, r["E"], r["W"])
+    num_ce = num_kl = den = 0.0
+    for n, a in enumerate(anchors.tolist()):
+        for k in range(1, 4):
+            p = a + k
+            if p < 40 and docs[p] == docs[a] and r["loss_mask"][p] == 1:
+                w = torch.exp(torch.tensor(-(k - 1) / 3.0, dtype=torch.float64))
+                tlogp = torch.log_softmax(th[p - 1] @ r["W"].T, -1)  # the target predicts row p at row p-1
+                dlogp = torch.log_softmax(logits[n, k - 1], -1)
+                num_ce = num_ce - w * dlogp[tlogp.argmax()]
+                num_kl = num_kl + w * (tlogp.exp() * (tlogp - dlogp)).sum()
+                den += w
+    return num_ce / den, num_kl / den
+
+
+def test_target_argmax_and_kl_targets_match_reference():
+    r, model, anchors, docs = _setup(n=5)
+    th = torch.randn(40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    ref_ce, ref_kl = _target_hidden_and_expected(model, r, anchors, docs, th)
+    (ref_ce + ref_kl).backward()
+    ref_g = _grads(model)
+    ce = _loss(model, r, anchors, gamma=3.0, target="target_argmax", target_hidden=th, chunk_rows=4)
+    kl = _loss(model, r, anchors, gamma=3.0, target="kl", target_hidden=th, chunk_rows=3)
+    (ce.loss + kl.loss).backward()
+    torch.testing.assert_close(ce.loss, ref_ce, rtol=1e-9, atol=0)
+    torch.testing.assert_close(kl.loss, ref_kl, rtol=1e-9, atol=0)
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_g[n], rtol=1e-7, atol=1e-12)
+    with pytest.raises(ValueError):
+        _loss(model, r, anchors, target="kl")
+
+
+def test_target_argmax_equals_data_loss_when_the_target_predicts_the_data():
+    r, model, anchors, _ = _setup(n=10)
+    W = torch.eye(64, 32, dtype=torch.float64) * 5  # distinct rows 0..31: argmax(W h) recoverable
+    ids = r["input_ids"] % 32
+    th = torch.zeros(40, 32, dtype=torch.float64)
+    th[:-1] = torch.nn.functional.one_hot(ids[1:], 32).double()  # row p-1 predicts token p
+    args = (model, r["features"], ids, r["loss_mask"], r["position_ids"], r["doc_lengths"], anchors, r["E"], W)
+    data = drafter_loss(*args)
+    tgt = drafter_loss(*args, target="target_argmax", target_hidden=th)
+    torch.testing.assert_close(tgt.loss, data.loss, rtol=1e-12, atol=0)
+
+
+def test_documents_are_isolated_and_use_their_own_positions():
+    """A document's blocks give the same hidden states wherever it sits in the pack."""
+    r = packed_row(doc_lengths=(12, 9), pad=0)
+    model = make_drafter(**SLIDING)
+    swap = torch.cat([torch.arange(12, 21), torch.arange(0, 12)])  # [doc1 ; doc0]
+    out = []
+    for order, lengths, anchors in ((torch.arange(21), [12, 9], torch.tensor([4, 14])),
+                                    (swap, [9, 12], torch.tensor([2, 13]))):
+        docs = doc_ids_from_lengths(lengths, 21)
+        ids, pos, layout = build_blocks(r["input_ids"][order], r["position_ids"][order], docs, anchors, 4, MASK_ID)
+        out.append(model(r["features"][order], ids, r["position_ids"][order], pos, layout, r["E"]))
+    torch.testing.assert_close(out[0][0], out[1][1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0][1], out[1][0], rtol=1e-12, atol=1e-12)
+
+
+def test_rope_uses_the_given_positions():
+    r, model, anchors, docs = _setup(n=4)
+    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, MASK_ID)
+    base = model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
+    shifted = model(r["features"], ids, r["position_ids"] + 7, pos + 7, layout, r["E"])
+    torch.testing.assert_close(base, shifted, rtol=1e-9, atol=1e-9)  # RoPE: only relative positions matter
+    assert not torch.allclose(base, model(r["features"], ids, r["position_ids"], pos + 1, layout, r["E"]))
+
+
+def test_bf16_runs_and_tracks_float32():
+    r = packed_row(dtype=torch.float32)
+    anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], 8, torch.Generator().manual_seed(0))
+    m32 = make_drafter(dtype=torch.float32)
+    m16 = make_drafter(dtype=torch.bfloat16)
+    l32 = _loss(m32, r, anchors).loss
+    r16 = dict(r, features=r["features"].bfloat16(), E=r["E"].bfloat16(), W=r["W"].bfloat16())
+    out = _loss(m16, r16, anchors)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and abs(out.loss.item() - l32.item()) < 0.05 * l32.item()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all()
+               for p in m16.parameters())
+
+
+def test_tiny_hf_target_end_to_end_with_tied_embeddings():
+    import transformers
+    from conftest import qwen3_config
+
+    from dflash_core.drafter import DFlashDrafter
+
+    torch.manual_seed(0)
+    target = transformers.Qwen3ForCausalLM(qwen3_config(tie_word_embeddings=True)).eval()
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    assert emb is head
+    r = packed_row(dtype=torch.float32)
+    drafter = DFlashDrafter(target.config, num_layers=2, block_size=4, mask_token_id=MASK_ID)
+    ids_ = drafter.config.target_layer_ids
+    with torch.no_grad():
+        hs = target(r["input_ids"][None], output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[t + 1][0] for t in ids_], -1)  # id t = output of layer t = hidden_states[t+1]
+    anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], 8, torch.Generator().manual_seed(0))
+    out = drafter_loss(drafter, feats, r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"], anchors,
+                       emb, head, target="target_argmax", target_hidden=hs[-1][0])
+    out.loss.backward()
+    assert emb.grad is None and out.loss.isfinite()
+    assert not any("embed" in n or "lm_head" in n for n in drafter.state_dict())
+    assert drafter.fc.weight.grad is not None
