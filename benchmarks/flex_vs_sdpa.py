@@ -111,9 +111,18 @@ def main() -> int:
         print(f"{k:12} {float(r['loss']):10.5f} {r['tau']:8.3f} {r['seconds']:10.3f}")
     for k, msg in failures.items():
         print(f"{k:12} FAILED: {msg}")
-    key = "bf16 flex vs bf16 sdpa"
-    ok = key in table and all(v <= args.tol for v in table[key].values())
-    print(f"\nflex vs sdpa (bf16) within {args.tol:g}: {'PASS' if ok else 'FAIL'}")
+    # Pass: flex is as close to the fp32 reference as bf16 SDPA is (it adds no error beyond bf16
+    # rounding, which over 5 layers is ~1e-2..4e-2 relative), or, without a reference, the two
+    # bf16 paths agree within --tol.
+    flex_ref, sdpa_ref = table.get("bf16 flex vs fp32 sdpa"), table.get("bf16 sdpa vs fp32 sdpa")
+    if flex_ref and sdpa_ref:
+        ok = all(flex_ref[c] <= 1.25 * sdpa_ref[c] + 1e-3 for c in flex_ref)
+        rule = "flex error vs fp32 <= 1.25 x bf16-sdpa error vs fp32 + 1e-3"
+    else:
+        key = "bf16 flex vs bf16 sdpa"
+        ok = key in table and all(v <= args.tol for v in table[key].values())
+        rule = f"flex vs sdpa (bf16) within {args.tol:g}"
+    print(f"\n{rule}: {'PASS' if ok else 'FAIL'}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "flex_vs_sdpa.json").write_text(json.dumps({"table": table, "failures": failures, "pass": ok},

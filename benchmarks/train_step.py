@@ -91,6 +91,11 @@ def attended_pairs(s: dict[str, Any], anchors: torch.Tensor) -> list[int]:
     return [layout.attended_pairs(cfg.sliding_window if lt == "sliding_attention" else None) for lt in cfg.layer_types]
 
 
+def log(msg: str) -> None:
+    """Progress on stderr, so a run cut short by a time limit still shows where it was."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -117,11 +122,16 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     t0 = time.perf_counter()
+    log(f"[{backend}] first step (compiles on CUDA with flex)...")
     step()
     sync(dev)
     first = time.perf_counter() - t0
-    for _ in range(args.warmup):
+    log(f"[{backend}] first step {first:.1f}s")
+    for i in range(args.warmup):
+        t1 = time.perf_counter()
         step()
+        sync(dev)
+        log(f"[{backend}] warm-up step {i + 1}: {time.perf_counter() - t1:.2f}s")
     times, flops = [], []
     for _ in range(args.steps):
         if dev.type == "cuda":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator
 
 import torch
@@ -50,9 +51,9 @@ class Trainer:
                                      weight_decay=cfg.weight_decay, fused=fused)
         if self.distributed:
             self._init_distributed()
-        if self.ctx.resume_state:
-            self._restore(self.ctx.resume_state)
-        if self.ctx.rank == 0 and "://" not in self.metrics_file and not self.ctx.resume_state:
+        if self.ctx.resume_checkpoint:
+            self._restore(self.ctx.resume_checkpoint)
+        if self.ctx.rank == 0 and "://" not in self.metrics_file and not self.ctx.resume_checkpoint:
             if os.path.exists(self.metrics_file):
                 os.remove(self.metrics_file)
         self._open_tensorboard()
@@ -74,20 +75,20 @@ class Trainer:
             return
         self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"))
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _restore(self, ckpt: str) -> None:
         import fsspec
 
-        with fsspec.open(f"{state['checkpoint']}/{TRAIN_STATE}", "rb") as f:
+        with fsspec.open(f"{ckpt}/{TRAIN_STATE}", "rb") as f:
             saved = torch.load(f, map_location="cpu", weights_only=True)
         self.model.load_state_dict(saved["model"])
         self.opt.load_state_dict(saved["optimizer"])
         self.step = int(saved["step"])
         rank = self.ctx.rank
         if rank != 0:
-            with fsspec.open(f"{state['checkpoint']}/rng.rank{rank}.pt", "rb") as f:
+            with fsspec.open(f"{ckpt}/rng.rank{rank}.pt", "rb") as f:
                 saved = torch.load(f, map_location="cpu", weights_only=True)
         torch.set_rng_state(saved["rng"][str(rank)]["cpu"])
-        self.ctx.logger.info("resumed from %s at step %d", state["checkpoint"], self.step)
+        self.ctx.logger.info("resumed from %s at step %d", ckpt, self.step)
 
     # ------------------------------------------------------------------- loop
     def total_steps(self, row: dict[str, Any]) -> int | None:
@@ -110,10 +111,12 @@ class Trainer:
         every = self.snapshot_every()
         window: list[dict[str, float]] = []
         micro, total, t0, tokens = 0, None, now(), 0
+        self.started, self.tokens_seen = now(), 0
         for row in rows:
             total = total or self.total_steps(row)
             stats = self._forward_backward(row, micro)
             tokens += int(row["features"].shape[0])
+            self.tokens_seen += int(row["features"].shape[0])
             micro += 1
             if stats is not None:
                 window.append(stats)
@@ -144,8 +147,10 @@ class Trainer:
         cfg = self.cfg
         features = row["features"].to(self.device, non_blocking=True)
         loss_mask = torch.as_tensor(row["loss_mask"]).to(torch.long)
-        gen = torch.Generator().manual_seed(
-            hash((cfg.seed, self.step, self.ctx.rank, micro)) & 0x7FFFFFFFFFFFFFFF)
+        # seeded by the row's place in the global batch: one process with rows_per_step=R
+        # draws the same anchors as R ranks with one row each
+        slot = self.ctx.rank * cfg.rows_per_step + micro
+        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot)) & 0x7FFFFFFFFFFFFFFF)
         anchors = sample_anchors(loss_mask, row["doc_lengths"], cfg.num_anchors, gen)
         if anchors.numel() == 0:
             return None
@@ -191,6 +196,7 @@ class Trainer:
                   "acc": sum(w["acc"] for w in window) / n,
                   "tau_sim": sum(w["tau_sim"] for w in window) / n,
                   "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                  "tokens": self.tokens_seen, "elapsed_s": now() - self.started, "time": time.time(),
                   "per_slot_acc": window[-1]["per_slot_acc"]}
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
