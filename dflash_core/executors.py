@@ -7,6 +7,7 @@ differ only in where that loop runs and how its events reach the runner.
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from dflash_core.artifacts import ArtifactStore
-from dflash_core.links import Channel, StopRun
+from dflash_core.links import Channel, ConsumerClosed, StopRun
 from dflash_core.stage import Stage, StageContext
 
 
@@ -89,25 +90,69 @@ def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
         emit(task.name, {"type": "_start", "pid": os.getpid()})
         stage = task.cls(ctx.config)
         count = 0
-        for item in stage.run(inputs, ctx):
+        outputs = list(task.outputs)  # stream links whose consumer still reads
+        items = stage.run(inputs, ctx)
+        for item in items:
             if writer is not None:
                 writer.add(item)
-            for ch in task.outputs:
-                ch.put(item)
+            for ch in list(outputs):
+                try:
+                    ch.put(item)
+                except ConsumerClosed:
+                    outputs.remove(ch)
             count += 1
-            yield item
+            yield item  # GeneratorExit here: the consumer of this inline stage stopped reading
             if stop is not None and stop.is_set():
                 raise StopRun()
-        for ch in task.outputs:
-            ch.close()
+            if task.outputs and not outputs and writer is None:
+                items.close()  # every consumer finished early and nothing is stored: stop here
+                break
+        for ch in outputs:
+            try:
+                ch.close()
+            except ConsumerClosed:
+                pass
+        _release_inputs(task, inputs, emit)
         digest = writer.commit({**task.meta, "summary": ctx.summary}) if writer else None
         emit(task.name, {"type": "_done", "items": count, "digest": digest,
                          "summary": ctx.summary})
     except (StopRun, StageFailed):
         raise
+    except GeneratorExit:  # inline stages are never materialized: nothing to commit
+        if stop is None or not stop.is_set():
+            _release_inputs(task, inputs, emit)
+            emit(task.name, {"type": "_done", "items": count, "digest": None,
+                             "summary": ctx.summary})
+        raise
     except BaseException as exc:  # report every failure with the stage's name
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         raise StageFailed(task.name, message, traceback.format_exc()) from exc
+
+
+def _release_inputs(task: StageTask, inputs: dict[str, Any], emit: Any) -> None:
+    """This stage reads no more: stop what still feeds it, so that nothing waits on a reader
+    that is gone. Inline upstreams are closed (and report done); stream producers see their
+    link closed and end instead of blocking on a full queue (or taking this for a crash)."""
+    for port, src in task.inputs.items():
+        it = inputs.get(port)
+        if isinstance(src, InlineSource) and it is not None \
+                and inspect.getgeneratorstate(it) == inspect.GEN_CREATED:
+            _never_started(src.task, emit)
+        elif isinstance(src, ChannelSource):
+            src.channel.closed.set()
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def _never_started(task: StageTask, emit: Any) -> None:
+    """An inline stage whose consumer ended before reading it: report it done with no items."""
+    for src in task.inputs.values():
+        if isinstance(src, InlineSource):
+            _never_started(src.task, emit)
+        elif isinstance(src, ChannelSource):
+            src.channel.closed.set()
+    emit(task.name, {"type": "_done", "items": 0, "digest": None, "summary": {}})
 
 
 def _work(task: StageTask, emit: Any, stop: Any) -> None:
@@ -165,6 +210,10 @@ def _process_main(task: StageTask, events: Any, stop: Any) -> None:
         if isinstance(src, ChannelSource):
             src.channel.producer_alive = parent_alive
     _work(task, QueueEmitter(events), stop)
+    for ch in task.outputs:
+        if ch.closed.is_set() or stop.is_set():
+            # nobody reads the rest: exiting must not wait for it to drain into the pipe
+            ch.q.cancel_join_thread()
 
 
 class ProcessWorker:

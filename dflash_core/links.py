@@ -8,6 +8,7 @@ waiting for work. Neither may hang when the peer is gone, so each wait wakes up 
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any, Callable, Iterator
 
 END = "__dflash_pipe_end_of_stream__"
@@ -22,6 +23,10 @@ class PeerDied(RuntimeError):
     """The stage on the other end of a link died without closing it."""
 
 
+class ConsumerClosed(Exception):
+    """The consumer finished without reading the rest of the stream (e.g. it needed only N items)."""
+
+
 class Channel:
     """One producer -> one consumer link over a bounded queue.
 
@@ -29,11 +34,14 @@ class Channel:
     ``multiprocessing.Queue`` when either side is a process; both have the same API.
     """
 
-    def __init__(self, producer: str, consumer: str, q: Any, bound: int) -> None:
+    def __init__(self, producer: str, consumer: str, q: Any, bound: int,
+                 closed: Any = None) -> None:
         self.producer = producer
         self.consumer = consumer
         self.q = q
         self.bound = bound
+        self.closed = closed if closed is not None else threading.Event()
+        """Set by the consumer when it will read no more (a spawn-context Event across processes)."""
         self.stop_event: Any = None
         self.producer_alive: Callable[[], bool] = lambda: True
         self.consumer_alive: Callable[[], bool] = lambda: True
@@ -59,7 +67,10 @@ class Channel:
                            f"{self.producer} -> {self.consumer}")
 
     def put(self, item: Any) -> None:
+        """Block until there is room; raise ConsumerClosed once the consumer stopped reading."""
         while True:
+            if self.closed.is_set():
+                raise ConsumerClosed(f"{self.consumer} stopped reading {self.producer}")
             try:
                 self.q.put(item, timeout=POLL_S)
                 return

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_core.artifacts import ArtifactStore, join
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
-from dflash_core.links import Channel
+from dflash_core.links import Channel, ConsumerClosed
 from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
                                   semantic_params, stage_key)
@@ -134,6 +134,10 @@ class Runner:
                 out.append(PlanEntry(stage, "run", f"--from {self.from_stage}"))
             elif spec.cls.always_run:
                 out.append(PlanEntry(stage, "run", "reads the outside world: always checked"))
+            elif streamed_in := [u for u in spec.after.values() if self.p.link(u, stage) == "stream"]:
+                # as _cached: a stage fed by a stream link is never skipped
+                out.append(PlanEntry(stage, "run", f"input '{streamed_in[0]}' is streamed: "
+                                                   "runs with it"))
             elif st.state == "fresh":
                 out.append(PlanEntry(stage, "cached", f"fresh artifact {st.key}"))
             else:
@@ -166,10 +170,12 @@ class Runner:
         return prefix
 
     def _run_distributed(self) -> dict[str, StageResult]:
+        import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():  # gloo for barriers, NCCL for CUDA tensors
-            dist.init_process_group("cpu:gloo,cuda:nccl")
+            cuda = torch.cuda.is_available() and dist.is_nccl_available()
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
         prefix = self.shared_prefix()
         results: dict[str, StageResult] = {}
         if self.rank == 0 and prefix:
@@ -236,7 +242,9 @@ class _Supervisor:
                     continue
                 crosses = "process" in (self._executor(upstream), self._executor(stage))
                 q = ctx.Queue(self.r.queue_bound) if crosses else queue.Queue(self.r.queue_bound)
-                channels[(upstream, stage)] = Channel(upstream, stage, q, self.r.queue_bound)
+                closed = ctx.Event() if crosses else threading.Event()
+                channels[(upstream, stage)] = Channel(upstream, stage, q, self.r.queue_bound,
+                                                      closed)
         return channels
 
     # ------------------------------------------------------------------ launch
@@ -369,6 +377,7 @@ class _Supervisor:
             self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
         if self.failures:
             self._shutdown()
+        self._reap()
         return self.results
 
     def _drain(self, timeout: float) -> None:
@@ -457,14 +466,28 @@ class _Supervisor:
             if self.results[stage].status == "running":
                 self.results[stage].status = "stopped"
         self._drain(0.05)
+        self._release_queues()
+        stage, message, tb = _root_cause(self.failures)
+        raise RunFailed(stage, message, tb)
+
+    def _reap(self) -> None:
+        """After a successful run: let the workers exit (a process flushes its queues first)."""
+        deadline = time.time() + STOP_GRACE_S
+        for worker in self.workers.values():
+            worker.join(max(0.0, deadline - time.time()))
+        for worker in self.workers.values():
+            if worker.alive():  # done, but stuck on its way out: it has nothing left to give
+                worker.kill()
+                worker.join(1.0)
+        self._release_queues()
+
+    def _release_queues(self) -> None:
+        # a consumer process that died or stopped reading leaves our feeder thread blocked on
+        # a full pipe, and interpreter exit would join it forever: drop what it still holds
         for ch in self.channels.values():
-            # a dead consumer process leaves our feeder thread blocked on a full pipe, and
-            # interpreter exit would join it forever: drop what it still holds
             cancel = getattr(ch.q, "cancel_join_thread", None)
             if cancel is not None:
                 cancel()
-        stage, message, tb = _root_cause(self.failures)
-        raise RunFailed(stage, message, tb)
 
 
 def _root_cause(failures: list[tuple[str, str, str]]) -> tuple[str, str, str]:
@@ -476,13 +499,23 @@ def _root_cause(failures: list[tuple[str, str, str]]) -> tuple[str, str, str]:
 
 
 def _replay(store: ArtifactStore, stage: str, key: str, outputs: list[Channel], stop: Any) -> None:
+    open_ = list(outputs)
+    for ch in open_:
+        ch.stop_event = stop
     try:
         for item in store.items(stage, key):
-            for ch in outputs:
-                ch.stop_event = stop
-                ch.put(item)
-        for ch in outputs:
-            ch.close()
+            for ch in list(open_):
+                try:
+                    ch.put(item)
+                except ConsumerClosed:  # that consumer needs no more; the others still do
+                    open_.remove(ch)
+            if not open_:
+                return
+        for ch in open_:
+            try:
+                ch.close()
+            except ConsumerClosed:
+                pass
     except Exception:  # the consumer sees the stop flag; nothing to report twice
         pass
 

@@ -74,7 +74,9 @@ def analyse(pipeline: Pipeline, store: ArtifactStore, record: RunRecord) -> dict
         rec = record.stages.get(stage)
         if not is_materialized(pipeline, stage):
             consumers = ", ".join(pipeline.consumers(stage))
-            out[stage] = StageStatus(stage, "streamed", f"output is streamed to {consumers}, not stored")
+            cause = (f"output is streamed to {consumers}, not stored" if consumers else
+                     "output is not stored (a last stage with a stream link by default)")
+            out[stage] = StageStatus(stage, "streamed", cause)
             continue
         if rec is None:
             out[stage] = StageStatus(stage, "missing", "never materialized in this run dir")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -42,18 +41,27 @@ class FsspecCheckpoint(Stage):
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         root = join(ctx.run_dir, CHECKPOINTS)
-        saved = 0
+        saved, last_step = 0, None
         for state in inputs["states"]:
             if state.get("kind") != "state":
                 continue
             name = f"step-{state['step']:07d}"
+            if state["step"] == last_step:
+                # the end-of-run state of the step just saved: nothing changed, and saving it
+                # again would replace the directory latest.json points at (not atomically)
+                path = join(root, name)
+                yield {"kind": "checkpoint", "step": state["step"], "final": state["final"],
+                       "path": path, "export": join(path, "export")}
+                continue
+            last_step = state["step"]
             path = save_checkpoint(state, root, name, ctx)
             saved += 1
             if ctx.rank == 0:
                 if self.config.dest:
                     upload(path, join(self.config.dest, name), self.config, ctx)
-                    _retry(lambda: write_json(join(self.config.dest, LATEST),
-                                              {"name": name, "step": state["step"]}), self.config, ctx)
+                    _retry(lambda: write_dest_json(join(self.config.dest, LATEST),
+                                                   {"name": name, "step": state["step"]},
+                                                   self.config), self.config, ctx)
                 prune(root, self.config.keep_last)
                 ctx.emit({"type": "checkpoint", "step": state["step"], "path": path})
                 ctx.summary.update(latest=path, export=join(path, "export"), step=state["step"])
@@ -68,15 +76,23 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
 
     final = join(root, name)
     local = "://" not in root
-    staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}" if local else final
+    # one name on every rank (rank r adds its rng file to the same directory); rank 0
+    # clears what a crashed save may have left there before anyone writes
+    staging = f"{final}.tmp-save" if local else final
     if ctx.world_size > 1:
         _barrier()  # every rank has its state in hand before rank 0 starts the directory
     rank = state["rank"]
     if rank == 0:
         if local:
-            os.makedirs(staging, exist_ok=True)
-        model = DFlashDrafter(state["drafter_config"])
-        model.load_state_dict(state["model"])
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        import torch
+
+        # built on the meta device: a CPU init would draw from the global RNG, which the
+        # trainer saves with each checkpoint (and this runs in another thread meanwhile)
+        with torch.device("meta"):
+            model = DFlashDrafter(state["drafter_config"])
+        model.load_state_dict(state["model"], assign=True)
         export_drafter(model, join(staging, "export"), extra_metadata=state["metadata"])
         _torch_save({"model": state["model"], "optimizer": state["optimizer"], "step": state["step"],
                      "rng": {"0": state["rng"]}}, join(staging, "train_state.pt"))
@@ -115,11 +131,20 @@ def _copy_metrics(src: str | None, dest_dir: str) -> None:
             g.write(f.read())
 
 
+_GROUPS: dict[int, Any] = {}
+
+
 def _barrier() -> None:
+    """Barrier on a gloo group of the checkpoint stage's own: the trainer all-reduces on the
+    default group from another thread meanwhile, and two threads' collectives on one group
+    pair up in a different order on each rank (a deadlock)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        world = id(dist.group.WORLD)
+        if world not in _GROUPS:  # every rank's first save creates it, in the same order
+            _GROUPS[world] = dist.new_group(backend="gloo")
+        dist.barrier(group=_GROUPS[world])
 
 
 def prune(root: str, keep: int) -> None:
@@ -146,6 +171,19 @@ def upload(src: str, dest: str, cfg: CheckpointConfig, ctx: StageContext) -> Non
             rel = os.path.relpath(local, src)
             target = f"{dpath}/{rel}"
             _retry(lambda: dfs.put_file(local, target), cfg, ctx)
+
+
+def write_dest_json(url: str, data: Any, cfg: CheckpointConfig) -> None:
+    """``write_json`` on the upload destination, with its ``storage_options`` (endpoint, keys)."""
+    if not cfg.storage_options:
+        write_json(url, data)
+        return
+    import json
+
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url, **cfg.storage_options)
+    fs.pipe_file(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
 
 
 def _retry(fn: Any, cfg: CheckpointConfig, ctx: StageContext) -> None:

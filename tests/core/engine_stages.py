@@ -65,6 +65,10 @@ class NumbersConfig:
     """Ignore ``n`` and yield until the runner stops the stage (never checks should_stop)."""
     delay: float = 0.0
     trace: str = ""
+    pad: int = 0
+    """Add a ``pad`` string of this many bytes to each item (big items fill OS pipes)."""
+    json_safe: bool = True
+    """False: ``v`` is a set, which a materialized link cannot store."""
 
 
 class Numbers(Stage):
@@ -83,7 +87,8 @@ class Numbers(Stage):
             if cfg.delay:
                 time.sleep(cfg.delay)
             _trace_yield(cfg.trace)
-            yield {"i": k, "v": cfg.start + k}
+            value = cfg.start + k if cfg.json_safe else {cfg.start + k}
+            yield {"i": k, "v": value, **({"pad": "x" * cfg.pad} if cfg.pad else {})}
             k += 1
         ctx.summary["count"] = k
 
@@ -116,7 +121,8 @@ class ScaleConfig:
     fail_at: int = -1
     """Raise ValueError on this item index (after writing the time to <run_dir>/raised_at)."""
     kill_at: int = -1
-    """SIGKILL the stage's own process on this item index (use with executor: process)."""
+    """SIGKILL the stage's own process on this item index (use with executor: process), after
+    writing the time to <run_dir>/killed_at."""
     delay: float = 0.0
 
 
@@ -135,11 +141,13 @@ class Scale(Stage):
                     f.write(repr(time.time()))
                 raise ValueError(f"scale refuses item {k}")
             if k == cfg.kill_at:
+                with open(os.path.join(ctx.run_dir, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if cfg.delay:
                 time.sleep(cfg.delay)
             ctx.progress(1, unit="items", values=1)
-            yield {"i": item["i"], "v": item["v"] * cfg.factor}
+            yield {"i": item["i"], "v": item["v"] * cfg.factor}  # drops any pad
 
 
 @dataclass
@@ -147,6 +155,8 @@ class CollectConfig:
     delay: float = 0.0
     """Seconds spent on each item (a slow consumer)."""
     trace: str = ""
+    take: int = -1
+    """Stop after this many items without reading the rest (0: read nothing); -1: read all."""
 
 
 class Collect(Stage):
@@ -160,12 +170,14 @@ class Collect(Stage):
         _where(ctx)
         cfg = self.config
         count = 0
-        for item in inputs["items"]:
+        for item in inputs["items"] if cfg.take != 0 else ():
             _trace_consume(cfg.trace)
             if cfg.delay:
                 time.sleep(cfg.delay)
             count += 1
             yield item
+            if count == cfg.take:
+                break
         ctx.summary["count"] = count
         ctx.emit({"type": "metrics", "count": count})
 

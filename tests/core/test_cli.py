@@ -1,0 +1,183 @@
+"""The ``dflash-pipe`` CLI: run / --only / --from / --dry-run / status, and its exit codes
+(0 ok, 1 a stage failed, 2 config error, 4 refused).
+
+Most calls go through ``main()`` in this process (the ``cli`` fixture); the ones that must see
+a real interpreter exit (a killed stage process) run ``python -m dflash_core.cli.main``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import STAGES
+
+CHAIN = """
+    stages:
+      src:    {uses: numbers, params: {n: 5}}
+      double: {uses: scale, after: src, link: materialize}
+      sink:   {uses: collect, after: double, link: materialize}
+"""
+STAGE_NAMES = ("src", "double", "sink")
+
+
+@pytest.fixture
+def chain(write_pipeline):
+    return write_pipeline(CHAIN)
+
+
+def run(cli, path, *extra):
+    return cli("run", "-p", STAGES, path, *extra)
+
+
+def test_run_then_rerun_reports_every_stage_cached(cli, chain, tmp_path):
+    first = run(cli, chain)
+    assert first.code == 0, first.text
+    for stage in STAGE_NAMES:
+        assert first.lines_with(f"[{stage}] started"), first.out
+        assert first.lines_with(f"[{stage}] done"), first.out
+    assert (tmp_path / "run" / "state.json").is_file()
+
+    second = run(cli, chain)
+    assert second.code == 0, second.text
+    for stage in STAGE_NAMES:
+        assert second.lines_with(f"[{stage}] cached"), second.out
+        assert not second.lines_with(f"[{stage}] started"), second.out
+        assert second.lines_with(f"│ {stage} ", "cached"), second.out  # the summary table row
+
+
+def test_only_runs_from_stored_inputs_and_refuses_when_it_cannot(cli, chain, tmp_path):
+    # never materialized: a fresh run dir
+    res = run(cli, chain, "--only", "double")
+    assert res.code == 4, res.text
+    assert "refused: cannot run 'double': its input 'src' is missing: never materialized" in res.err
+
+    assert run(cli, chain).code == 0
+    res = run(cli, chain, "--only", "double")
+    assert res.code == 0, res.text
+    assert res.lines_with("[double] started") and res.lines_with("[double] done")
+    assert "[src]" not in res.out and "[sink]" not in res.out  # src was read back, not run
+
+    # stale: an upstream param differs from the one its artifact was made with
+    res = run(cli, chain, "--only", "double", "--set", "stages.src.params.n=7")
+    assert res.code == 4, res.text
+    assert "its input 'src' is stale: param 'n' changed: 5 -> 7" in res.err
+
+    # the input edge is a stream: nothing stored to start from
+    res = run(cli, chain, "--only", "double", "--set", "stages.double.link=stream")
+    assert res.code == 4, res.text
+    assert "its input 'src' is streamed" in res.err
+
+    res = run(cli, chain, "--only", "nope")
+    assert res.code == 4 and "no such stage" in res.err
+
+
+def test_from_runs_the_stage_and_its_descendants(cli, chain):
+    assert run(cli, chain).code == 0
+    res = run(cli, chain, "--from", "double")
+    assert res.code == 0, res.text
+    assert res.lines_with("[double] done") and res.lines_with("[sink] done"), res.out
+    assert "[src]" not in res.out
+
+
+def test_dry_run_prints_the_plan_with_reasons_and_runs_nothing(cli, chain, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run(cli, chain, "--dry-run")
+    assert res.code == 0, res.text
+    for stage in STAGE_NAMES:
+        assert res.lines_with(stage, " run ", "never materialized in this run dir"), res.out
+    assert not run_dir.exists()  # nothing ran, nothing was written
+
+    assert run(cli, chain).code == 0
+    state = (run_dir / "state.json").read_bytes()
+    res = run(cli, chain, "--dry-run", "--set", "stages.double.params.factor=3")
+    assert res.code == 0, res.text
+    assert res.lines_with("src", "cached", "fresh artifact"), res.out
+    assert res.lines_with("double", " run ", "param 'factor' changed: 2 -> 3"), res.out
+    assert res.lines_with("sink", " run ", "upstream 'double' is stale"), res.out
+    assert "[double] started" not in res.out
+    assert (run_dir / "state.json").read_bytes() == state
+
+    res = run(cli, chain, "--dry-run", "--only", "sink")
+    assert res.code == 0, res.text
+    assert res.lines_with("double", "from-artifact"), res.out
+    assert res.lines_with("sink", " run ", "--only"), res.out
+
+    res = run(cli, chain, "--dry-run", "--from", "double")
+    assert res.code == 0, res.text
+    assert res.lines_with("src", "from-artifact"), res.out
+    assert res.lines_with("double", " run ", "--from double"), res.out
+    assert res.lines_with("sink", " run ", "--from double"), res.out
+    assert (run_dir / "state.json").read_bytes() == state
+
+    # `status` says the same from the run dir
+    res = cli("status", "-p", STAGES, chain, "--set", "stages.double.params.factor=3")
+    assert res.code == 0, res.text
+    assert res.lines_with("src", "fresh") and res.lines_with("double", "stale", "param 'factor'")
+
+
+def test_validate_and_graph_show_the_dag(cli, chain):
+    res = cli("validate", "-p", STAGES, chain)
+    assert res.code == 0, res.text
+    assert res.lines_with(f"{chain}: ok", "3 stages")
+    assert res.lines_with("double: map:scale on cpu [thread]", "items<-src (materialize)"), res.out
+    res = cli("graph", "-p", STAGES, chain, "--set", "stages.sink.executor=process")
+    assert res.code == 0, res.text
+    assert res.lines_with("double [map:scale @ cpu, thread] -> sink (materialize)"), res.out
+    assert res.lines_with("sink [sink:collect @ cpu, process]"), res.out
+    res = cli("graph", "--dot", "-p", STAGES, chain)
+    assert res.code == 0 and '"src" -> "double" [label="materialize", style=dashed];' in res.out
+
+
+def test_exit_codes(cli, write_pipeline, tmp_path):
+    ok = write_pipeline(CHAIN, name="ok.yaml")
+    assert run(cli, ok).code == 0
+
+    failing = write_pipeline("""
+        stages:
+          src:   {uses: numbers, params: {n: 10}}
+          scale: {uses: scale, after: src, link: stream, params: {fail_at: 2}}
+          sink:  {uses: collect, after: scale, link: stream}
+    """, name="failing.yaml", run_dir=str(tmp_path / "run-failing"))
+    res = run(cli, failing)
+    assert res.code == 1, res.text
+    assert "error: stage 'scale' failed: ValueError: scale refuses item 2" in res.err
+    assert "Traceback" not in res.err
+    res = cli("run", "--traceback", "-p", STAGES, failing)
+    assert res.code == 1 and "Traceback" in res.err and "scale refuses item 2" in res.err
+
+    bad = write_pipeline("""
+        stages:
+          src:   {uses: numbers, params: {n: many}}
+          scale: {uses: scalee, after: src}
+    """, name="bad.yaml")
+    for command in ("run", "validate"):
+        res = cli(command, "-p", STAGES, bad)
+        assert res.code == 2, res.text
+        # (write_pipeline put version/run_dir and a blank line above `stages:`)
+        assert f"{bad}:6:17: unknown stage implementation 'scalee'" in res.err
+        assert f"{bad}:5:38: param 'n' must be int" in res.err  # …both reported at once
+        assert "Traceback" not in res.err
+
+    res = run(cli, ok, "--only", "double", "--set", "stages.src.params.n=6")
+    assert res.code == 4, res.text
+
+
+def test_killed_process_stage_with_big_items_exits_instead_of_hanging(cli_subprocess,
+                                                                      write_pipeline, tmp_path):
+    """The consumer process dies while the main process still feeds it 200 kB items: the run
+    must fail naming it and the interpreter must exit (a queue feeder thread blocked on the
+    dead pipe used to keep it alive forever)."""
+    path = write_pipeline("""
+        stages:
+          src:   {uses: numbers, params: {forever: true, pad: 200000}}
+          scale: {uses: scale, after: src, link: stream, executor: process, params: {kill_at: 1}}
+          sink:  {uses: collect, after: scale, link: stream}
+    """)
+    res = cli_subprocess("run", "-q", "-p", STAGES, path, timeout=90)
+    ended = time.time()
+    assert res.code == 1, res.text
+    assert "stage 'scale' failed" in res.err and "SIGKILL" in res.err
+    killed = float((tmp_path / "run" / "killed_at").read_text())
+    assert ended - killed < 10, f"exit came {ended - killed:.1f}s after the kill"

@@ -1,0 +1,246 @@
+"""evaluate:spec_decode — the speculative decoding loop, the report, the stage and the command.
+
+Loop tests run on token ids with a tiny random Qwen3 (small vocab); the stage/CLI tests use a tiny
+Qwen3 with the real vocab size and the real Qwen3 tokenizer, saved to disk and loaded back the way
+the command loads it, and a drafter exported with ``export_drafter``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_stages.spec_decode import (DraftRequest, first_mismatch, greedy_decode, ngram_drafter, ngram_propose,
+                                       oracle_drafter, speculative_decode, tau_histogram)
+from dflash_stages.target import FeatureCapture
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "assets" / "qwen3-tokenizer"
+B = 4
+
+
+def tiny_qwen3(vocab: int = 128, layers: int = 3, seed: int = 0):
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny_qwen3()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(100) for _ in range(n)] for n in (5, 9, 3)]
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def test_lossless_for_any_drafter_wrong_drafter_gives_tau_1(target, prompts):
+    layer_ids = [0, 2]
+    for prompt in prompts:
+        ref = greedy_decode(target, prompt, 20)
+        assert len(ref) == 20
+        wrong = speculative_decode(target, prompt, lambda r: [127] * r.max_tokens, B, 20, layer_ids)
+        assert wrong.tokens == ref
+        assert set(wrong.taus) == {1} and wrong.cycles == 19  # one token per cycle after the prefill token
+        rng = random.Random(len(prompt))
+        rand = speculative_decode(target, prompt, lambda r: [rng.randrange(128) for _ in range(r.max_tokens)],
+                                  B, 20, layer_ids)
+        assert rand.tokens == ref
+        # a drafter proposing the right token sometimes, wrong afterwards
+        half = oracle_drafter(list(prompt) + ref, len(prompt))
+        mixed = speculative_decode(target, prompt, lambda r: half(r)[:1] + [127] * (r.max_tokens - 1), B, 20, layer_ids)
+        assert mixed.tokens == ref and max(mixed.taus) == 2
+        ng = speculative_decode(target, prompt, ngram_drafter(), B, 20)
+        assert ng.tokens == ref
+
+
+def test_oracle_drafter_accepts_every_full_block(target, prompts):
+    for prompt in prompts:
+        ref = greedy_decode(target, prompt, 23)
+        res = speculative_decode(target, prompt, oracle_drafter(list(prompt) + ref, len(prompt)), B, 23, [1])
+        assert res.tokens == ref
+        full = [a + 1 for a, d in zip(res.accepted, res.drafted) if d == B - 1]
+        assert full and all(t == B for t in full)
+        # 1 prefill token + 5 full cycles of B = 21, then 1 draft (2 remaining) -> tau 2
+        assert res.drafted == [3, 3, 3, 3, 3, 1] and res.taus == [4, 4, 4, 4, 4, 2]
+        assert tau_histogram(res.accepted, B) == [0, 0, 1, 0, 5]
+
+
+def test_features_kept_are_those_of_verified_tokens(target, prompts):
+    """The context handed to the drafter = a fresh, uncached forward's features of exactly the
+    verified tokens (rejected drafts' rows dropped, cache cropped)."""
+    layer_ids = [0, 2]
+    cap = FeatureCapture(target, layer_ids)
+    prompt = prompts[1]
+    ref = greedy_decode(target, prompt, 16)
+    half = oracle_drafter(list(prompt) + ref, len(prompt))
+    seen: list[DraftRequest] = []
+
+    def drafter(req: DraftRequest) -> list[int]:
+        seen.append(DraftRequest(req.features.clone(), req.positions.clone(), list(req.tokens), req.last_token,
+                                 req.last_position, req.max_tokens))
+        good = half(req)
+        return good[:len(seen) % 3] + [127] * req.max_tokens  # 0, 1 or 2 accepted
+
+    res = speculative_decode(target, prompt, drafter, B, 16, layer_ids)
+    assert res.tokens == ref and len(seen) > 3
+    for req in seen:
+        ctx = req.tokens[:-1]
+        assert req.features.shape[0] == len(ctx) == req.last_position
+        assert req.positions.tolist() == list(range(len(ctx)))
+        full, _ = cap.capture(torch.tensor([ctx]))
+        torch.testing.assert_close(req.features, full[0], atol=1e-5, rtol=1e-4)
+
+
+def test_eos_stops_both_decodes(target, prompts):
+    prompt = prompts[0]
+    ref = greedy_decode(target, prompt, 12)
+    eos = ref[5]
+    short = greedy_decode(target, prompt, 12, eos_token_id=eos)
+    assert short == ref[:ref.index(eos) + 1]
+    res = speculative_decode(target, prompt, oracle_drafter(list(prompt) + ref, len(prompt)), B, 12, [1],
+                             eos_token_id=[eos])
+    assert res.tokens == short
+
+
+def test_ngram_propose_latest_longest_match():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_propose(toks, 3) == [7, 8, 5]           # "2 3" -> latest earlier "2 3" is at 6
+    assert ngram_propose([4, 5, 6, 4], 2) == [5, 6]      # 1-gram fallback
+    assert ngram_propose([1, 2, 3], 3) == []             # no match
+    assert ngram_propose(toks, 0) == []
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+
+
+def test_gap_and_warnings():
+    from dflash_stages.evaluate import add_warnings, compute_gap
+
+    assert compute_gap(2.0, 4.0) == (0.5, True)
+    assert compute_gap(3.7, 4.0)[1] is False
+    assert compute_gap(2.0, None) == (None, False)
+    rep = {"tau": 1.1, "tau_sim": 3.0, "gap": (3.0 - 1.1) / 3.0, "gap_flag": True, "gap_threshold": 0.1,
+           "lossless": True, "training": {"tau_sim_train": 3.2}}
+    add_warnings(rep)
+    assert rep["warnings"][0].startswith("TRAIN/SERVE GAP") and rep["gap_train_flag"] is True
+
+
+# ----------------------------------------------------------------------------- export, stage, CLI
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny real-vocab Qwen3 + tokenizer on disk, prompts/metrics files, and an exported drafter
+    whose metadata records them (like the checkpoint stage writes)."""
+    import transformers
+
+    from dflash_core.drafter import DFlashDrafter, export_drafter
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("served")
+    tdir = root / "target"
+    cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    model.save_pretrained(tdir)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TOKENIZER_DIR / name, tdir / name)
+    with gzip.open(TOKENIZER_DIR / "tokenizer.json.gz", "rb") as f:
+        (tdir / "tokenizer.json").write_bytes(f.read())
+    heldout = root / "heldout.jsonl"
+    heldout.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"prompt": "Name a colour.", "completion": "Blue."},
+        {"messages": [{"role": "user", "content": "unused third"}]},
+    ]) + "\n")
+    metrics = root / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s, "tau_sim": 1 + s / 100, "acc": 0.1,
+                                           "tokens_per_s": 1000.0}) + "\n" for s in (10, 20, 30)))
+    drafter = DFlashDrafter(cfg, num_layers=1, block_size=B, target_layer_ids=[0, 2], mask_token_id=151669)
+    meta = {"target": str(tdir), "tokenizer": str(tdir), "thinking": False, "heldout": str(heldout),
+            "metrics": str(metrics), "chat_template_kwargs": {}, "step": 30}
+    export = Path(export_drafter(drafter, root / "ckpt" / "export", extra_metadata=meta))
+    return {"root": root, "target": tdir, "export": export, "heldout": heldout, "metrics": metrics}
+
+
+def test_cli_defaults_from_export(served, cli):
+    out = served["root"] / "eval_cli"
+    r = cli("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+            "--out", out)
+    assert r.code == 0, r.text
+    rep = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").stat().st_size > 1000
+    assert rep["lossless"] is True and rep["num_prompts"] == 2 and rep["block_size"] == B
+    assert rep["target"] == str(served["target"]) and rep["step"] == 30
+    for key in ("tau", "tau_ngram", "tau_sim", "gap", "gap_flag", "tau_histogram", "drafted", "accepted",
+                "per_prompt", "ngram", "training", "warnings"):
+        assert key in rep
+    assert len(rep["tau_histogram"]) == B + 1 and sum(rep["tau_histogram"]) == rep["cycles"]
+    assert rep["training"]["steps"] == 30 and rep["training"]["tau_sim_train"] == pytest.approx(1.3)
+    assert rep["generated_tokens"] == 12 and rep["tau"] >= 1
+    # the prompt is the chat template's generation prompt (thinking off: empty think block)
+    assert rep["per_prompt"][0]["prompt_tokens"] > 5
+    assert "speculative decoding" in r.out and "lossless" in r.out
+
+
+def test_cli_fails_when_not_lossless(served, cli, monkeypatch):
+    import dflash_stages.spec_decode as sd
+
+    real = sd.speculative_decode
+
+    def corrupt(*a, **kw):
+        res = real(*a, **kw)
+        res.tokens[-1] += 1
+        return res
+
+    monkeypatch.setattr(sd, "speculative_decode", corrupt)
+    out = served["root"] / "eval_bad"
+    r = cli("evaluate", served["export"], "--num-prompts", "1", "--max-new-tokens", "3", "--out", out,
+            "--no-baseline")
+    assert r.code == 1
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is False and rep["mismatches"][0]["index"] == 2
+    assert "NOT LOSSLESS" in r.text
+
+
+def test_cli_without_target_recorded_is_a_config_error(served, cli, tmp_path):
+    from dflash_core.drafter import DFlashDrafter, export_drafter
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(served["target"])
+    export = export_drafter(DFlashDrafter(cfg, num_layers=1, block_size=B, target_layer_ids=[1], mask_token_id=151669), tmp_path / "e")
+    r = cli("evaluate", export, "--prompts", served["heldout"])
+    assert r.code == 2 and "no target recorded" in r.text
+
+
+def test_stage_every_and_final(served, tmp_path):
+    from dflash_core.stage import StageContext
+    from dflash_stages.evaluate import EvaluateConfig, SpecDecodeEvaluate
+
+    cfg = EvaluateConfig(every=2, num_prompts=1, max_new_tokens=4, prompts=str(served["heldout"]))
+    stage = SpecDecodeEvaluate(cfg)
+    ctx = StageContext(stage="evaluate", config=cfg, device="cpu", work_dir=str(tmp_path))
+    items = [{"kind": "checkpoint", "step": s, "export": str(served["export"]), "final": s == 30}
+             for s in (10, 20, 30)]
+    reports = list(stage.run({"checkpoints": iter(items)}, ctx))
+    assert [r["step"] for r in reports] == [20, 30]  # 2nd checkpoint, then the final one
+    assert all(r["kind"] == "eval_report" and r["lossless"] for r in reports)
+    assert (tmp_path / "step-0000020" / "report.json").exists()
+    assert {"tau", "tau_ngram", "tau_sim", "gap_flag", "lossless"} <= set(ctx.summary)
+    assert SpecDecodeEvaluate.report(ctx.summary) is not None
