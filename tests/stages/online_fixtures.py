@@ -4,7 +4,9 @@ row source whose next tokens are learnable, for online-training tests."""
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -17,8 +19,11 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "assets"
 
 
 def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 0,
-                     vocab: int = 151936) -> Path:
-    """Save a random Qwen3 (real vocab size, tiny width) plus the Qwen3 tokenizer to ``path``."""
+                     vocab: int = 151936, initializer_range: float = 0.5) -> Path:
+    """Save a random Qwen3 (real vocab size, tiny width) plus the Qwen3 tokenizer to ``path``.
+
+    The default ``initializer_range`` gives a frozen random LM head usable logits (but hidden
+    states of ~100); 0.1 keeps hidden states ~1, for tests with absolute tolerances."""
     import torch
     import transformers
 
@@ -26,7 +31,7 @@ def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=hidden // 4, max_position_embeddings=4096, tie_word_embeddings=True,
-        initializer_range=0.5)  # large embeddings: a frozen random LM head with usable logits
+        initializer_range=initializer_range)
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -34,6 +39,43 @@ def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 
     with gzip.open(TOKENIZER_DIR / "tokenizer.json.gz", "rb") as f:
         (path / "tokenizer.json").write_bytes(f.read())
     return path
+
+
+_TARGETS: dict[tuple[Any, ...], Path] = {}
+_TARGETS_LOCK = threading.Lock()
+
+
+def tiny_target(root: Path, layers: int = 4, hidden: int = 64, seed: int = 0,
+                vocab: int = 6000, initializer_range: float = 0.5) -> Path:
+    """:func:`make_tiny_target` made once per process and argument set, under ``root``
+    (tests pass pytest's session base temp), so several test modules share one copy."""
+    key = (str(root), layers, hidden, seed, vocab, initializer_range)
+    with _TARGETS_LOCK:
+        if key not in _TARGETS:
+            path = (Path(root) / f"tiny-target-l{layers}-h{hidden}-v{vocab}-s{seed}"
+                                 f"-i{initializer_range}")
+            if not (path / "config.json").exists():
+                make_tiny_target(path, layers=layers, hidden=hidden, seed=seed, vocab=vocab,
+                                 initializer_range=initializer_range)
+            _TARGETS[key] = path
+        return _TARGETS[key]
+
+
+def online_pipeline(run_dir: Path | str, target: Path | str, *, pack: dict[str, Any],
+                    train: dict[str, Any], checkpoint: dict[str, Any] | None = None,
+                    layers: tuple[int, ...] = (0, 1, 2), extra: str = "") -> str:
+    """YAML of pack:synthetic -> extract:hf_hooks -> train:dflash [-> checkpoint:fsspec]."""
+    import json
+
+    text = (f"version: 1\nrun_dir: {run_dir}\nstages:\n"
+            f"  pack: {{uses: 'pack:synthetic', params: {json.dumps(pack)}}}\n"
+            f"  extract: {{uses: 'extract:hf_hooks', after: pack, params: "
+            f"{{model: '{target}', layers: {list(layers)}}}}}\n"
+            f"  train: {{uses: 'train:dflash', after: extract, params: {json.dumps(train)}}}\n")
+    if checkpoint is not None:
+        text += (f"  checkpoint: {{uses: 'checkpoint:fsspec', after: train, "
+                 f"params: {json.dumps(checkpoint)}}}\n")
+    return text + extra
 
 
 @dataclass
@@ -82,6 +124,33 @@ def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
+@dataclass
+class RankStatesConfig:
+    out: str = "rank_states"
+
+
+class RankStates(Stage):
+    """Debug sink beside the checkpoint stage (``after: train``): saves each rank's final
+    drafter weights to ``<run_dir>/<out>/rank<r>.pt``, so a test can compare the ranks of a
+    torchrun run (the checkpoint stage only writes rank 0's)."""
+
+    kind = "debug"
+    name = "rank_states"
+    Config = RankStatesConfig
+    inputs = ("states",)
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        import torch
+
+        for state in inputs["states"]:
+            if state.get("kind") == "state" and state.get("final"):
+                out = os.path.join(ctx.run_dir, self.config.out)
+                os.makedirs(out, exist_ok=True)
+                torch.save(state["model"], os.path.join(out, f"rank{ctx.rank}.pt"))
+        yield from ()
+
+
 @hookimpl
 def dflash_pipe_register_stages(registry: Any) -> None:
     registry.add(SyntheticRows)
+    registry.add(RankStates)
