@@ -47,6 +47,10 @@ class Stage:
     but their artifact digest is computed from content, so unchanged data keeps consumers fresh."""
     cache_ignore: ClassVar[tuple[str, ...]] = ()
     """Params that do not change the output (worker counts, progress intervals): left out of the cache key."""
+    preload: ClassVar[tuple[str, ...]] = ()
+    """``module`` or ``module:attr`` imported by the runner in the main thread before any stage
+    starts: libraries whose import is not thread-safe (transformers' lazy module) must not be
+    first imported by two stage threads at once."""
     needs_torch: ClassVar[bool] = False
     """True if the stage imports torch; lets the runner resolve its ``device:`` (CUDA checks)."""
 

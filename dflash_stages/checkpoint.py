@@ -39,6 +39,13 @@ class FsspecCheckpoint(Stage):
     needs_torch = True
     cache_ignore = ("retries", "backoff", "storage_options", "keep_last")
 
+    @classmethod
+    def report(cls, summary: dict[str, Any]) -> Any:
+        if "export" not in summary:
+            return None
+        return (f"drafter export (step {summary.get('step')}): {summary['export']}\n"
+                f"  evaluate it: dflash-pipe evaluate {summary['export']}")
+
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         root = join(ctx.run_dir, CHECKPOINTS)
         saved, last_step = 0, None

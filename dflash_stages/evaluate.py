@@ -427,6 +427,7 @@ class SpecDecodeEvaluate(Stage):
 
     kind = "evaluate"
     name = "spec_decode"
+    preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     version = "1"
     Config = EvaluateConfig
     inputs = ("checkpoints",)

@@ -30,6 +30,7 @@ class ExtractConfig:
 class HFHooksExtract(Stage):
     kind = "extract"
     name = "hf_hooks"
+    preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     Config = ExtractConfig
     inputs = ("rows",)
     needs_torch = True

@@ -190,7 +190,6 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
         capture.last_hidden = True
     cache = _new_cache(model)
     tokens = [int(t) for t in prompt_ids]
-    P = len(tokens)
     logits, feats = _forward(model, tokens, 0, cache, capture)
     ctx_feats = [feats] if feats is not None else []
     dev = logits.device

@@ -83,12 +83,17 @@ class ChatTemplateTokenize(Stage):
 
     kind = "tokenize"
     name = "chat_template"
+    preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     version = "1"
     Config = TokenizeConfig
     inputs = ("files",)
     default_link = "materialize"
     default_executor = "thread"
     cache_ignore = ("workers", "batch_size")
+
+    @classmethod
+    def report(cls, summary: dict[str, Any]) -> Any:
+        return stats_table(summary)
 
     def run(self, inputs: Mapping[str, Any], ctx: StageContext) -> Iterator[dict]:
         import fsspec

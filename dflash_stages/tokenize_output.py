@@ -169,6 +169,8 @@ def stats_table(stats: dict) -> Any:
     table.add_section()
     hist = stats.get("loss_tokens_hist", {})
     n_hist = max(1, sum(hist.values()))
-    for label, n in hist.items():
+    order = [hist_label(lo, hi) for lo, hi in HIST_BINS]  # stored JSON may have re-sorted the keys
+    for label in sorted(hist, key=lambda k: order.index(k) if k in order else len(order)):
+        n = hist[label]
         table.add_row(f"supervised/sample {label}", f"{n:,}", f"{100.0 * n / n_hist:.1f}%")
     return table

@@ -73,6 +73,14 @@ class DFlashTrain(Stage):
     needs_torch = True
     cache_ignore = ("log_every",)
 
+    @classmethod
+    def report(cls, summary: dict[str, Any]) -> Any:
+        if "steps" not in summary:
+            return None
+        return (f"train: {summary['steps']} steps, loss {summary.get('loss', float('nan')):.4f}, "
+                f"accuracy {summary.get('acc', float('nan')):.4f}, "
+                f"tau_sim {summary.get('tau_sim', float('nan')):.3f}")
+
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         from dflash_stages.trainer import Trainer
 

@@ -111,7 +111,7 @@ class Trainer:
         every = self.snapshot_every()
         window: list[dict[str, float]] = []
         micro, total, t0, tokens = 0, None, now(), 0
-        self.started, self.tokens_seen = now(), 0
+        self.started, self.tokens_seen, step_start = now(), 0, 0
         for row in rows:
             total = total or self.total_steps(row)
             stats = self._forward_backward(row, micro)
@@ -126,7 +126,8 @@ class Trainer:
             grad_norm, lr = self._optimizer_step(total)
             micro = 0
             self.step += 1
-            ctx.progress(1, total=total, unit="steps", tokens=tokens)
+            ctx.progress(1, total=total, unit="steps", tokens=self.tokens_seen - step_start)
+            step_start = self.tokens_seen
             if self.step % cfg.log_every == 0 or self.step == total:
                 self._log(window, grad_norm, lr, tokens / max(now() - t0, 1e-9))
                 window, tokens, t0 = [], 0, now()
@@ -200,7 +201,8 @@ class Trainer:
                   "per_slot_acc": window[-1]["per_slot_acc"]}
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
-        self.ctx.emit({"type": "metrics", **{k: v for k, v in record.items() if k != "per_slot_acc"}})
+        shown = ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
+        self.ctx.emit({"type": "metrics", **{k: record[k] for k in shown}})
         if self.ctx.rank == 0:
             append_metrics(self.metrics_file, record)
             if self.tb is not None:

@@ -71,9 +71,11 @@ def print_summary(pipeline: Any, results: dict[str, Any], elapsed: float) -> Non
         table.add_column(col)
     for stage, res in results.items():
         took = f"{res.ended - res.started:.1f}s" if res.ended and res.started else "-"
-        figures = ", ".join(f"{k}={v}" for k, v in res.summary.items()
-                            if isinstance(v, (int, float, str)) and len(str(v)) < 60)
-        table.add_row(stage, res.status, took, f"{res.items:,}", figures[:120])
+        numbers = [(k, v) for k, v in res.summary.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v:,}"
+                            for k, v in numbers[:5])
+        table.add_row(stage, res.status, took, f"{res.items:,}", figures)
     console.print(table)
     for stage, res in results.items():
         renderable = pipeline.stages[stage].cls.report(res.summary) if res.summary else None

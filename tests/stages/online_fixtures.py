@@ -3,9 +3,7 @@ row source whose next tokens are learnable, for online-training tests."""
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +12,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 
 from dflash_core import Stage, StageContext, hookimpl
+from tests.assets import unpack_qwen3_tokenizer
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "assets" / "qwen3-tokenizer"
 
 
 def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 0,
@@ -34,10 +32,7 @@ def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 
         initializer_range=initializer_range)
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TOKENIZER_DIR / name, path / name)
-    with gzip.open(TOKENIZER_DIR / "tokenizer.json.gz", "rb") as f:
-        (path / "tokenizer.json").write_bytes(f.read())
+    unpack_qwen3_tokenizer(path)
     return path
 
 

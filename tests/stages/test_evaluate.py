@@ -7,10 +7,8 @@ the command loads it, and a drafter exported with ``export_drafter``.
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,8 @@ import torch
 from dflash_stages.spec_decode import (DraftRequest, first_mismatch, greedy_decode, ngram_drafter, ngram_propose,
                                        oracle_drafter, speculative_decode, tau_histogram)
 from dflash_stages.target import FeatureCapture
+from tests.assets import unpack_qwen3_tokenizer
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "assets" / "qwen3-tokenizer"
 B = 4
 
 
@@ -159,10 +157,7 @@ def served(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg)
     model.save_pretrained(tdir)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TOKENIZER_DIR / name, tdir / name)
-    with gzip.open(TOKENIZER_DIR / "tokenizer.json.gz", "rb") as f:
-        (tdir / "tokenizer.json").write_bytes(f.read())
+    unpack_qwen3_tokenizer(tdir)
     heldout = root / "heldout.jsonl"
     heldout.write_text("\n".join(json.dumps(r) for r in [
         {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},

@@ -3,9 +3,7 @@ agreement with transformers' generation-tag masks, policies, stats and worker de
 
 from __future__ import annotations
 
-import gzip
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +12,7 @@ import pytest
 from dflash_core.stage import StageContext
 from dflash_stages.tokenize import ChatTemplateTokenize, TokenizeConfig, stats_table
 
-ASSET = Path(__file__).resolve().parents[2] / ".." / "shared" / "assets" / "qwen3-tokenizer"
 THINK, END_THINK, IM_END = 151667, 151668, 151645
-
-
-@pytest.fixture(scope="session")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if not (ASSET / "tokenizer.json.gz").exists():
-        pytest.skip(f"Qwen3 tokenizer asset not found at {ASSET}")
-    out = tmp_path_factory.mktemp("qwen3-tokenizer")
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(ASSET / name, out / name)
-    with gzip.open(ASSET / "tokenizer.json.gz", "rb") as src, open(out / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return str(out)
 
 
 @pytest.fixture(scope="session")
