@@ -16,6 +16,13 @@ from tests.assets import unpack_qwen3_tokenizer
 
 
 
+CKPT_FILES = ("export/config.json", "export/model.safetensors", "train_state.pt",
+              "pipeline_state.json")
+"""What a complete checkpoint directory holds."""
+TINY_TRAIN = dict(num_layers=1, block_size=4, num_anchors=16, lr=1e-2, mask_token_id=5999)
+"""Train params that learn the synthetic rows quickly on the tiny target."""
+
+
 def make_tiny_target(path: Path, layers: int = 4, hidden: int = 32, seed: int = 0,
                      vocab: int = 151936, initializer_range: float = 0.5) -> Path:
     """Save a random Qwen3 (real vocab size, tiny width) plus the Qwen3 tokenizer to ``path``.

@@ -14,17 +14,9 @@ from dflash_core.pipeline_file import load_pipeline
 from dflash_core.plugins import PluginManager
 from dflash_core.runner import Runner
 from tests.stages import online_fixtures
-from tests.stages.online_fixtures import online_pipeline, tiny_target
+from tests.stages.online_fixtures import CKPT_FILES, TINY_TRAIN, online_pipeline
 
-CKPT_FILES = ("export/config.json", "export/model.safetensors", "train_state.pt",
-              "pipeline_state.json")
-TRAIN = dict(num_layers=1, block_size=4, num_anchors=16, lr=1e-2, mask_token_id=5999,
-             log_every=4)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_target(tmp_path_factory.getbasetemp())
+TRAIN = dict(TINY_TRAIN, log_every=4)
 
 
 class LatestWatcher(threading.Thread):

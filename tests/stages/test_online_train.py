@@ -31,20 +31,11 @@ from dflash_core.plugins import PluginManager
 from dflash_core.runner import Runner
 from tests.conftest import REPO, cli_env
 from tests.stages import online_fixtures
-from tests.stages.online_fixtures import online_pipeline, tiny_target
+from tests.stages.online_fixtures import CKPT_FILES, TINY_TRAIN, online_pipeline
 
 PLUGIN = "tests.stages.online_fixtures"
 BIN = Path(sys.executable).parent
-CKPT_FILES = ("export/config.json", "export/model.safetensors", "train_state.pt",
-              "pipeline_state.json")
-TRAIN = dict(num_layers=1, block_size=4, num_anchors=16, lr=1e-2, mask_token_id=5999,
-             log_every=10)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 layers, hidden 64, vocab 6000 (mask token 5999), real Qwen3 tokenizer."""
-    return tiny_target(tmp_path_factory.getbasetemp())
+TRAIN = dict(TINY_TRAIN, log_every=10)
 
 
 # ------------------------------------------------------------------------------ helpers
