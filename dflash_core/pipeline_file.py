@@ -4,7 +4,7 @@ Every problem is collected, each at the ``file:line:col`` of the offending key o
 raised together as one :class:`~dflash_core.errors.PipelineFileError` before anything runs.
 
 The file is read with ``yaml.safe_load`` semantics, but composed into a node tree first so
-that positions survive: ``_Node`` keeps each value with the mark of its key and of itself.
+that positions survive: ``Node`` keeps each value with the mark of its key and of itself.
 
 File format (version 1)::
 
@@ -26,250 +26,24 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import networkx as nx
-import yaml
 
 from dflash_core.config_types import did_you_mean, plain, validate_params
 from dflash_core.devices import resolve_device
 from dflash_core.errors import ConfigError, PipelineFileError
 from dflash_core.pipeline import Mark, Pipeline, StageSpec
 from dflash_core.stage import EXECUTORS, LINKS, Stage
+from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, compose, parse_override
 
 VERSION = 1
 TOP_KEYS = ("version", "run_dir", "stages", "defaults")
 STAGE_KEYS = ("uses", "after", "device", "link", "executor", "params")
 DEFAULT_KEYS = ("device", "executor")
-SET_FILE = "--set"
 EXTENSION_PREFIX = "x-"
 """Top-level keys starting with this are ignored (a place for YAML anchors, as in compose files)."""
-_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 _STAGE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-
-
-# -- node tree with marks ------------------------------------------------------------------
-
-@dataclass
-class _Node:
-    """A YAML value with its position. ``value`` is a dict of ``_Node`` (mapping), a list of
-    ``_Node`` (sequence) or a plain scalar."""
-
-    value: Any
-    mark: Mark
-    kind: str = "scalar"  # scalar | map | seq
-    key_mark: Mark | None = None
-    """Mark of this value's key in its parent mapping (None for the root and list items)."""
-
-    @property
-    def is_map(self) -> bool:
-        return self.kind == "map"
-
-    @property
-    def at_key(self) -> Mark:
-        return self.key_mark or self.mark
-
-    def plain(self) -> Any:
-        if self.kind == "map":
-            return {k: v.plain() for k, v in self.value.items()}
-        if self.kind == "seq":
-            return [v.plain() for v in self.value]
-        return self.value
-
-    def describe(self) -> str:
-        if self.kind == "map":
-            return "a mapping"
-        if self.kind == "seq":
-            return "a list"
-        if self.value is None:
-            return "null"
-        return f"{type(self.value).__name__} {self.value!r}"
-
-
-class _Errors:
-    """Collects errors with the source line of each mark."""
-
-    def __init__(self) -> None:
-        self.sources: dict[str, list[str]] = {}
-        self.items: list[ConfigError] = []
-
-    def add(self, mark: Mark, message: str) -> None:
-        lines = self.sources.get(mark.file, [])
-        src = lines[mark.line - 1] if 0 < mark.line <= len(lines) else ""
-        err = ConfigError(mark.file, mark.line, mark.col, message, src)
-        if err not in self.items:
-            self.items.append(err)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            order = {f: i for i, f in enumerate(self.sources)}
-            errors = sorted(self.items,
-                            key=lambda e: (order.get(e.file, len(order)), e.line, e.col))
-            raise PipelineFileError(errors)
-
-
-class _Builder:
-    """Turns a composed YAML node into ``_Node``s, constructing scalars like ``safe_load``."""
-
-    def __init__(self, make_mark: Callable[[Any], Mark], errors: _Errors) -> None:
-        self.make_mark = make_mark
-        self.errors = errors
-        self.constructor = yaml.SafeLoader("")  # a SafeConstructor with resolver state
-
-    def build(self, node: yaml.Node, depth: int = 0) -> _Node:
-        mark = self.make_mark(node.start_mark)
-        if depth > 100:
-            self.errors.add(mark, "YAML nesting too deep (recursive alias?)")
-            return _Node(None, mark)
-        if not isinstance(node, yaml.ScalarNode) and node.tag not in (_MAP_TAG, _SEQ_TAG):
-            self.errors.add(mark, f"unsupported YAML tag '{node.tag}'")  # then read it untagged
-        if isinstance(node, yaml.MappingNode):
-            n_explicit = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
-            try:
-                self.constructor.flatten_mapping(node)  # << merge keys, as safe_load does
-            except yaml.MarkedYAMLError as exc:
-                self.errors.add(mark, f"invalid YAML merge: {exc.problem}")
-            n_merged = len(node.value) - n_explicit  # merged pairs come first; later ones win
-            out: dict[Any, _Node] = {}
-            merged: set[Any] = set()
-            for i, (key_node, value_node) in enumerate(node.value):
-                key_mark = self.make_mark(key_node.start_mark)
-                if not isinstance(key_node, yaml.ScalarNode):
-                    self.errors.add(key_mark, "mapping keys must be plain scalars")
-                    continue
-                key = self.scalar(key_node)
-                try:
-                    hash(key)
-                except TypeError:
-                    self.errors.add(key_mark, f"unhashable mapping key {key!r}")
-                    continue
-                if key in out and i >= n_merged and key not in merged:
-                    first = out[key].at_key
-                    self.errors.add(key_mark, f"duplicate key '{key}' (first at line {first.line})")
-                    continue
-                if i < n_merged:
-                    merged.add(key)
-                else:
-                    merged.discard(key)
-                child = self.build(value_node, depth + 1)
-                child.key_mark = key_mark
-                out[key] = child
-            return _Node(out, mark, "map")
-        if isinstance(node, yaml.SequenceNode):
-            return _Node([self.build(n, depth + 1) for n in node.value], mark, "seq")
-        return _Node(self.scalar(node), mark)
-
-    def scalar(self, node: yaml.Node) -> Any:
-        try:
-            return self.constructor.construct_object(node, deep=True)
-        except yaml.MarkedYAMLError as exc:
-            self.errors.add(self.make_mark(node.start_mark), f"invalid YAML value: {exc.problem}")
-            return node.value  # the text, so that no second error follows for this value
-
-
-def _yaml_error(exc: yaml.YAMLError, make_mark: Callable[[Any], Mark], fallback: Mark,
-                errors: _Errors) -> None:
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = make_mark(exc.problem_mark) if exc.problem_mark else fallback
-        message = f"invalid YAML: {exc.problem}"
-        if exc.context:
-            where = ""
-            if exc.context_mark is not None and exc.context_mark.line != getattr(
-                    exc.problem_mark, "line", None):
-                where = f" at line {exc.context_mark.line + 1}"
-            message += f" ({exc.context}{where})"
-    else:
-        mark, message = fallback, f"invalid YAML: {exc}"
-    errors.add(mark, message)
-
-
-def _compose(text: str, make_mark: Callable[[Any], Mark], fallback: Mark,
-             errors: _Errors) -> tuple[bool, _Node | None]:
-    """(ok, root) — root is None for an empty document."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        _yaml_error(exc, make_mark, fallback, errors)
-        return False, None
-    if node is None:
-        return True, None
-    return True, _Builder(make_mark, errors).build(node)
-
-
-# -- overrides -----------------------------------------------------------------------------
-
-@dataclass
-class _Override:
-    index: int
-    text: str
-    parts: list[tuple[str, Mark]] = field(default_factory=list)
-    value: _Node | None = None
-
-
-def _parse_override(index: int, text: str, errors: _Errors) -> _Override | None:
-    start = Mark(SET_FILE, index, 1)
-    path, eq, rhs = text.partition("=")
-    if not eq:
-        errors.add(start, f"--set needs PATH=VALUE, got '{text}'")
-        return None
-    ov = _Override(index, text)
-    col = 1
-    for part in path.split("."):
-        if not part.strip():
-            errors.add(Mark(SET_FILE, index, col), f"empty key in --set path '{path}'")
-            return None
-        ov.parts.append((part.strip(), Mark(SET_FILE, index, col + len(part) - len(part.lstrip()))))
-        col += len(part) + 1
-    offset = len(path) + 1
-
-    def make_mark(m: Any) -> Mark:
-        return Mark(SET_FILE, index, offset + 1 + (m.column if m.line == 0 else 0))
-
-    value_start = Mark(SET_FILE, index, offset + 1)
-    ok, node = _compose(rhs, make_mark, value_start, errors)
-    if not ok:
-        return None
-    ov.value = node if node is not None else _Node(None, value_start)
-    return ov
-
-
-def _apply_override(root: _Node, ov: _Override, errors: _Errors) -> None:
-    node = root
-    walked: list[str] = []
-    for depth, (key, key_mark) in enumerate(ov.parts):
-        last = depth == len(ov.parts) - 1
-        if node.kind == "scalar" and node.value is None and walked:  # `params:` left empty
-            node.kind, node.value = "map", {}
-        if not node.is_map:
-            where = ".".join(walked) or "the top level"
-            errors.add(key_mark, f"--set path goes through '{where}', which is "
-                                 f"{node.describe()}, not a mapping")
-            return
-        if key not in node.value:
-            if depth == 0 and key not in TOP_KEYS:
-                errors.add(key_mark, f"--set: unknown top-level key '{key}'"
-                                     f"{did_you_mean(key, TOP_KEYS)}")
-                return
-            if walked == ["stages"]:
-                errors.add(key_mark, f"--set: no stage '{key}'{did_you_mean(key, node.value)}")
-                return
-            if depth == 0 and not last and key != "defaults":
-                errors.add(ov.parts[1][1], f"--set path goes through '{key}', which is not a "
-                                           "mapping")
-                return
-            # created; validated like any key of this mapping (unknown keys are reported here)
-            node.value[key] = (ov.value if last else _Node({}, key_mark, "map"))
-            node.value[key].key_mark = key_mark
-        elif last:
-            new = ov.value
-            new.key_mark = node.value[key].key_mark
-            node.value[key] = new
-        node = node.value[key]
-        walked.append(key)
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -291,7 +65,7 @@ def _failed_note(plugins: Any) -> str:
 
 
 class _Loader:
-    def __init__(self, path: str, plugins: Any, errors: _Errors) -> None:
+    def __init__(self, path: str, plugins: Any, errors: ErrorList) -> None:
         self.path = path
         self.plugins = plugins
         self.errors = errors
@@ -301,7 +75,7 @@ class _Loader:
         self.errors.add(mark, message)
 
     # top level --------------------------------------------------------------------------
-    def load(self, root: _Node | None) -> Pipeline | None:
+    def load(self, root: Node | None) -> Pipeline | None:
         start = Mark(self.path, 1, 1)
         if root is None:
             self.err(start, "empty pipeline file (expected a mapping with 'version: 1' and "
@@ -329,7 +103,7 @@ class _Loader:
             self.err(stages_node.mark if stages_node.value is not None else stages_node.at_key,
                      f"'stages' must be a non-empty mapping of stage name -> settings, got {what}")
             return None
-        stage_nodes: dict[str, _Node] = {}
+        stage_nodes: dict[str, Node] = {}
         for name, node in stages_node.value.items():
             if not isinstance(name, str) or not _STAGE_NAME_RE.match(name):
                 self.err(node.at_key, f"bad stage name {name!r} (use letters, digits, '_' or '-', "
@@ -349,7 +123,7 @@ class _Loader:
             return None
         return Pipeline(self.path, run_dir, specs, version)
 
-    def version(self, node: _Node | None, root: _Node) -> int | None:
+    def version(self, node: Node | None, root: Node) -> int | None:
         if node is None:
             self.err(root.mark, f"missing 'version: {VERSION}'")
             return None
@@ -360,7 +134,7 @@ class _Loader:
             return None
         return v
 
-    def run_dir(self, node: _Node | None) -> str:
+    def run_dir(self, node: Node | None) -> str:
         stem = os.path.splitext(os.path.basename(self.path))[0]
         stem = re.sub(r"[^A-Za-z0-9_.\-]", "", stem) or "pipeline"  # "<pipeline>" -> "pipeline"
         default = os.path.join("runs", stem)
@@ -372,7 +146,7 @@ class _Loader:
             return default
         return node.value
 
-    def defaults(self, node: _Node | None) -> dict[str, _Node]:
+    def defaults(self, node: Node | None) -> dict[str, Node]:
         if node is None or (node.kind == "scalar" and node.value is None):
             return {}
         if not node.is_map:
@@ -394,11 +168,11 @@ class _Loader:
             if device is None:
                 del out["device"]
             else:
-                out["device"] = _Node(device, out["device"].mark)
+                out["device"] = Node(device, out["device"].mark)
         return out
 
     # one stage ---------------------------------------------------------------------------
-    def resolve_class(self, name: str, node: _Node) -> type[Stage] | None:
+    def resolve_class(self, name: str, node: Node) -> type[Stage] | None:
         if node.kind == "scalar" and node.value is None:
             node.kind, node.value = "map", {}
         if not node.is_map:
@@ -450,8 +224,8 @@ class _Loader:
                                  f"{label}: {', '.join(available) or 'none'}{failed}")
         return None
 
-    def stage(self, name: str, node: _Node, stage_nodes: dict[str, _Node],
-              defaults: dict[str, _Node]) -> StageSpec | None:
+    def stage(self, name: str, node: Node, stage_nodes: dict[str, Node],
+              defaults: dict[str, Node]) -> StageSpec | None:
         if not node.is_map:
             return None
         body = node.value
@@ -487,7 +261,7 @@ class _Loader:
                          device=device, link=link, executor=executor or cls.default_executor,
                          mark=node.at_key)
 
-    def choice(self, node: _Node, key: str, allowed: Sequence[str]) -> str | None:
+    def choice(self, node: Node, key: str, allowed: Sequence[str]) -> str | None:
         if node.kind == "scalar" and isinstance(node.value, str) and node.value in allowed:
             return node.value
         shown = f"'{node.value}'" if isinstance(node.value, str) else node.describe()
@@ -495,7 +269,7 @@ class _Loader:
         self.err(node.mark, f"'{key}' must be one of {', '.join(allowed)}, got {shown}{hint}")
         return None
 
-    def device(self, node: _Node) -> str | None:
+    def device(self, node: Node) -> str | None:
         if node.kind != "scalar" or not isinstance(node.value, str):
             self.err(node.mark, f"'device' must be a string (cpu, cuda, cuda:N, mps), "
                                 f"got {node.describe()}")
@@ -506,10 +280,10 @@ class _Loader:
             self.err(node.mark, str(exc))
             return None
 
-    def after(self, name: str, node: _Node, after: _Node | None, cls: type[Stage] | None,
-              stage_nodes: dict[str, _Node]) -> dict[str, str] | None:
+    def after(self, name: str, node: Node, after: Node | None, cls: type[Stage] | None,
+              stage_nodes: dict[str, Node]) -> dict[str, str] | None:
         """Input port -> upstream stage, or None after reporting errors."""
-        entries: list[tuple[str | None, str, _Node]] = []  # (explicit port, upstream, node)
+        entries: list[tuple[str | None, str, Node]] = []  # (explicit port, upstream, node)
         ok = True
         if after is None or (after.kind == "scalar" and after.value is None):
             pass
@@ -562,7 +336,7 @@ class _Loader:
         if not ok:
             return None
         bound: dict[str, str] = {}
-        pending: list[tuple[str, _Node]] = []
+        pending: list[tuple[str, Node]] = []
         for port, upstream, item in entries:
             if port is None:
                 pending.append((upstream, item))
@@ -574,7 +348,7 @@ class _Loader:
                 ok = False
                 continue
             bound[port] = upstream
-        still: list[tuple[str, _Node]] = []
+        still: list[tuple[str, Node]] = []
         for upstream, item in pending:  # a port named like the upstream stage or its kind
             up_cls = self.classes.get(upstream)
             candidates = [upstream] + ([up_cls.kind] if up_cls is not None else [])
@@ -609,7 +383,7 @@ class _Loader:
             return None
         return {p: bound[p] for p in ports}
 
-    def params(self, name: str, node: _Node, params: _Node | None,
+    def params(self, name: str, node: Node, params: Node | None,
                cls: type[Stage]) -> tuple[Any, dict[str, Any]]:
         impl = f"{cls.kind}:{cls.name}"
         # whole-mapping problems (missing field, __post_init__) point at the ``params:`` key,
@@ -640,9 +414,9 @@ class _Loader:
         return config, {k: plain(getattr(config, k)) for k in given if hasattr(config, k)}
 
     # cycles ------------------------------------------------------------------------------
-    def cycles(self, stage_nodes: dict[str, _Node]) -> None:
+    def cycles(self, stage_nodes: dict[str, Node]) -> None:
         g = nx.DiGraph()
-        refs: dict[tuple[str, str], _Node] = {}
+        refs: dict[tuple[str, str], Node] = {}
         for name, node in stage_nodes.items():
             g.add_node(name)
             after = node.value.get("after") if node.is_map else None
@@ -684,7 +458,7 @@ def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
                        path: str = "<pipeline>") -> Pipeline:
     """Like :func:`load_pipeline` for text already read (``path`` is used in messages and for
     the default ``run_dir``)."""
-    errors = _Errors()
+    errors = ErrorList()
     errors.sources[path] = text.splitlines()
     overrides = list(overrides)
     errors.sources[SET_FILE] = overrides
@@ -692,14 +466,14 @@ def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
     def make_mark(m: Any) -> Mark:
         return Mark(path, m.line + 1, m.column + 1)
 
-    ok, root = _compose(text, make_mark, Mark(path, 1, 1), errors)
-    parsed = [_parse_override(i, text_, errors) for i, text_ in enumerate(overrides, start=1)]
+    ok, root = compose(text, make_mark, Mark(path, 1, 1), errors)
+    parsed = [parse_override(i, text_, errors) for i, text_ in enumerate(overrides, start=1)]
     if not ok:
         errors.raise_if_any()
     if root is not None and root.is_map:
         for ov in parsed:
             if ov is not None:
-                _apply_override(root, ov, errors)
+                apply_override(root, ov, errors, TOP_KEYS)
     pipeline = _Loader(path, plugins, errors).load(root)
     errors.raise_if_any()
     assert pipeline is not None
