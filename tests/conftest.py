@@ -217,3 +217,10 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     if not (QWEN3_TOKENIZER / "tokenizer.json.gz").exists():
         pytest.skip(f"Qwen3 tokenizer asset not found at {QWEN3_TOKENIZER}")
     return str(unpack_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def qwen3(qwen3_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_dir, local_files_only=True)

@@ -15,13 +15,6 @@ from dflash_stages.tokenize import ChatTemplateTokenize, TokenizeConfig, stats_t
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 
 
-@pytest.fixture(scope="session")
-def qwen3(qwen3_dir: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen3_dir, local_files_only=True)
-
-
 def write_jsonl(path: Path, records: list[Any]) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))

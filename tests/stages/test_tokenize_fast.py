@@ -6,7 +6,6 @@ import random
 from typing import Any
 
 from dflash_stages.tokenize_fast import fast_encoder_for
-from tests.stages.test_tokenize import qwen3, qwen3_dir  # noqa: F401  (fixtures)
 
 ASCII = list("aAbZz09 \t\n\r\x0b\x0c\x1c\x1f\x00\x7f'sStTmMdDlLrReEvV.,;:!?-_()[]{}<>/\\\"`~@#$%^&*+=|")
 ASCII += ["<|im_end|>", "<think>", "</think>", "<|im_start|>", "<tool_call>", "'ll", "'RE", "\r\n",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_stages.tokenize_output import check_invariant
-from tests.stages.test_tokenize import qwen3, qwen3_dir, run_stage  # noqa: F401  (fixtures)
+from tests.stages.test_tokenize import run_stage
 
 DATA = Path(__file__).parent / "data" / "bad_records"
 
