@@ -170,6 +170,11 @@ def test_short_run_learns_and_exports(tmp_path: Path, target: Path) -> None:
     first, last = log[0], log[-1]
     assert last["loss"] < 0.5 * first["loss"], log
     assert last["tau_sim"] >= first["tau_sim"] + 0.5, log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [m["step"] for m in log]
 
     ckpt = latest(run_dir)
     assert ckpt is not None and ckpt.name == "step-0000060"
