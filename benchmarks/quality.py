@@ -14,7 +14,6 @@ Exit 1 if any output differs from the target's greedy decode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

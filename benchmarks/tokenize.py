@@ -82,7 +82,6 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="default: the Qwen3 test asset")
     args = ap.parse_args()
 
-    import numpy as np
     import pyarrow.ipc as ipc
     from transformers import AutoTokenizer
 
