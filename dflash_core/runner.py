@@ -147,7 +147,6 @@ class Runner:
     # ----------------------------------------------------------------- running
     def run(self) -> dict[str, StageResult]:
         preload([self.p.stages[s].cls for s in self.selected()])
-        share_cpu_threads([self.p.stages[s] for s in self.selected()])
         if self.world_size > 1:
             return self._run_distributed()
         statuses = analyse(self.p, self.store, self.record)
@@ -501,17 +500,6 @@ def preload(classes: list[type]) -> None:
         loaded = importlib.import_module(module)
         if attr:
             getattr(loaded, attr)
-
-
-def share_cpu_threads(specs: list[Any]) -> None:
-    """Split the cores between torch stages that run on the CPU in this process: two stages
-    each using every core (torch's default) oversubscribe the machine and both run slower."""
-    on_cpu = [s for s in specs if s.cls.needs_torch and s.device == "cpu" and s.executor != "process"]
-    if len(on_cpu) < 2:
-        return
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(on_cpu)))
 
 
 def _root_cause(failures: list[tuple[str, str, str]]) -> tuple[str, str, str]:
