@@ -15,8 +15,7 @@ from dflash_core import __version__
 from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console,
                                     setup_logging)
 
-COMMANDS = ["run", "resume", "validate", "list_stages", "plugins", "graph", "status", "export",
-            "evaluate", "plan"]
+COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status", "evaluate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load a plugin module by import path, or disable plugin NAME")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"dflash_core.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"dflash_core.cli.{name}":
-                continue  # command not built in this version
-            raise
-        module.add_parser(sub, common)
+        importlib.import_module(f"dflash_core.cli.{name}").add_parser(sub, common)
     return parser
 
 
