@@ -11,25 +11,22 @@ first anchors, the final hidden states and the gradients.
 
 from __future__ import annotations
 
-import os
 import sys
 
-# this folder holds scripts named like stdlib modules (tokenize.py): never import from it by accident
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import importlib.util
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors  # noqa: E402
+from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
 
 
 def _train_step_module() -> Any:

@@ -11,30 +11,28 @@ Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target fo
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, sample_anchors, training_flops  # noqa: E402
-from dflash_core.stage import StageContext  # noqa: E402
-from dflash_stages.random_rows import RandomRowsConfig, random_row  # noqa: E402
-from dflash_stages.target import PRESETS, FeatureCapture, load_target, packed_attention_mask  # noqa: E402
-from dflash_stages.train import TrainConfig  # noqa: E402
-from dflash_stages.trainer import Trainer  # noqa: E402
+from dflash_core.drafter import build_blocks, doc_ids_from_lengths, sample_anchors, training_flops
+from dflash_core.stage import StageContext
+from dflash_stages.random_rows import RandomRowsConfig, random_row
+from dflash_stages.target import PRESETS, FeatureCapture, load_target, packed_attention_mask
+from dflash_stages.train import TrainConfig
+from dflash_stages.trainer import Trainer
 
 PRESETS.setdefault("tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=12,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16))
@@ -147,7 +145,7 @@ def main() -> None:
     res.update(back_to_back_ms=b2b_s * 1e3, back_to_back_tok_s=args.tokens / b2b_s)
     if dev.type == "cuda":
         res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    del trainer, target, cap, embed, head, header, feats
+    trainer = target = cap = embed = head = header = feats = None  # free GPU memory for the pipeline run
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

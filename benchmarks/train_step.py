@@ -10,26 +10,23 @@ documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA
 
 from __future__ import annotations
 
-import os
 import sys
 
-# this folder holds scripts named like stdlib modules (tokenize.py): never import from it by accident
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter.attention import resolve_backend  # noqa: E402
-from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,  # noqa: E402
+from dflash_core.drafter.attention import resolve_backend
+from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,

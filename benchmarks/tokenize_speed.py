@@ -6,8 +6,8 @@ each), runs the stage (``--workers``, default 2) and then a per-sample
 records, and prints tokens/s of both and the ratio (goal: >= 4x). The stage's tokens are checked
 against the loop's for every record.
 
-    python benchmarks/tokenize.py                       # Qwen3 tokenizer of the test assets
-    python benchmarks/tokenize.py --records 2000 --tokenizer Qwen/Qwen3-8B
+    python benchmarks/tokenize_speed.py                       # Qwen3 tokenizer of the test assets
+    python benchmarks/tokenize_speed.py --records 2000 --tokenizer Qwen/Qwen3-8B
 """
 
 from __future__ import annotations
@@ -15,21 +15,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# This file is named like the stdlib module ``tokenize``: run as a script, its folder heads
-# sys.path and would shadow it (transformers imports it). Take the folder off before importing.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-if getattr(sys.modules.get("tokenize"), "__file__", None) == str(Path(__file__).resolve()):
-    del sys.modules["tokenize"]
-
-import argparse  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import gzip
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / ".." / "shared" / "assets" / "qwen3-tokenizer"
