@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from dflash_core.artifacts import ArtifactStore
-from dflash_core.links import Channel, ConsumerClosed, StopRun
+from dflash_core.links import Channel, StopRun, close_all, fan_out
 from dflash_core.stage import Stage, StageContext
 
 
@@ -95,11 +95,7 @@ def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
         for item in items:
             if writer is not None:
                 writer.add(item)
-            for ch in list(outputs):
-                try:
-                    ch.put(item)
-                except ConsumerClosed:
-                    outputs.remove(ch)
+            fan_out(item, outputs)
             count += 1
             yield item  # GeneratorExit here: the consumer of this inline stage stopped reading
             if stop is not None and stop.is_set():
@@ -107,11 +103,7 @@ def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
             if task.outputs and not outputs and writer is None:
                 items.close()  # every consumer finished early and nothing is stored: stop here
                 break
-        for ch in outputs:
-            try:
-                ch.close()
-            except ConsumerClosed:
-                pass
+        close_all(outputs)
         _release_inputs(task, inputs, emit)
         digest = writer.commit({**task.meta, "summary": ctx.summary}) if writer else None
         emit(task.name, {"type": "_done", "items": count, "digest": digest,

@@ -93,5 +93,23 @@ class Channel:
             yield item
 
 
+def fan_out(item: Any, channels: list[Channel]) -> None:
+    """Put ``item`` on every channel; drop (in place) those whose consumer stopped reading."""
+    for ch in list(channels):
+        try:
+            ch.put(item)
+        except ConsumerClosed:
+            channels.remove(ch)
+
+
+def close_all(channels: list[Channel]) -> None:
+    """End every stream; a consumer that already stopped reading needs no end marker."""
+    for ch in channels:
+        try:
+            ch.close()
+        except ConsumerClosed:
+            pass
+
+
 def _always_alive() -> bool:
     return True

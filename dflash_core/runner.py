@@ -19,7 +19,7 @@ from typing import Any
 from dflash_core.artifacts import ArtifactStore, join
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
-from dflash_core.links import Channel, ConsumerClosed
+from dflash_core.links import Channel, close_all, fan_out
 from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
                                   semantic_params, stage_key)
@@ -64,13 +64,12 @@ class StageResult:
 
 class Runner:
     def __init__(self, pipeline: Pipeline, plugins: Any, *, only: str | None = None,
-                 from_stage: str | None = None, resume: bool = False,
-                 display: Any = None, queue_bound: int = QUEUE_BOUND,
+                 from_stage: str | None = None, display: Any = None, queue_bound: int = QUEUE_BOUND,
                  resume_states: dict[str, Any] | None = None,
                  resume_checkpoint: str | None = None) -> None:
         self.p = pipeline
         self.plugins = plugins
-        self.only, self.from_stage, self.resume = only, from_stage, resume
+        self.only, self.from_stage = only, from_stage
         self.display = display
         self.queue_bound = queue_bound
         self.store = ArtifactStore(pipeline.run_dir)
@@ -183,8 +182,8 @@ class Runner:
             lock = RunLock(self.p.run_dir, self.store)
             lock.acquire()
             try:
-                        results.update(_Supervisor(self, prefix, self.external_inputs(
-                    analyse(self.p, self.store, self.record), prefix)).run())
+                statuses = analyse(self.p, self.store, self.record)
+                results.update(_Supervisor(self, prefix, self.external_inputs(statuses, prefix)).run())
             finally:
                 lock.release()
         dist.barrier()
@@ -516,18 +515,10 @@ def _replay(store: ArtifactStore, stage: str, key: str, outputs: list[Channel], 
         ch.stop_event = stop
     try:
         for item in store.items(stage, key):
-            for ch in list(open_):
-                try:
-                    ch.put(item)
-                except ConsumerClosed:  # that consumer needs no more; the others still do
-                    open_.remove(ch)
+            fan_out(item, open_)
             if not open_:
                 return
-        for ch in open_:
-            try:
-                ch.close()
-            except ConsumerClosed:
-                pass
+        close_all(open_)
     except Exception:  # the consumer sees the stop flag; nothing to report twice
         pass
 

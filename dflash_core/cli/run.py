@@ -40,7 +40,7 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
         console.print(f"resuming from {ckpt}" if ckpt else
                       "no complete checkpoint found: starting from the beginning")
     runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,
-                    resume=ckpt is not None, resume_states=states, resume_checkpoint=ckpt)
+                    resume_states=states, resume_checkpoint=ckpt)
     if args.dry_run:
         print_plan(runner)
         return EXIT_OK
