@@ -128,9 +128,9 @@ def _atomic_write(fs: Any, path: str, text: str, local: bool) -> None:
             f.write(text)
 
 
-def write_json(url: str, data: Any) -> None:
-    """Atomically write a JSON file at a local path or URL."""
-    fs, path = url_to_fs(url)
+def write_json(url: str, data: Any, storage_options: dict[str, Any] | None = None) -> None:
+    """Atomically write a JSON file at a local path or URL (``storage_options``: endpoint, keys)."""
+    fs, path = url_to_fs(url, **(storage_options or {}))
     if "file" in _protocols(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     _atomic_write(fs, path, json.dumps(data, indent=1, sort_keys=True, default=str),

@@ -56,9 +56,7 @@ class FsspecCheckpoint(Stage):
             if state["step"] == last_step:
                 # the end-of-run state of the step just saved: nothing changed, and saving it
                 # again would replace the directory latest.json points at (not atomically)
-                path = join(root, name)
-                yield {"kind": "checkpoint", "step": state["step"], "final": state["final"],
-                       "path": path, "export": join(path, "export")}
+                yield _saved(state, join(root, name))
                 continue
             last_step = state["step"]
             path = save_checkpoint(state, root, name, ctx)
@@ -66,15 +64,20 @@ class FsspecCheckpoint(Stage):
             if ctx.rank == 0:
                 if self.config.dest:
                     upload(path, join(self.config.dest, name), self.config, ctx)
-                    _retry(lambda: write_dest_json(join(self.config.dest, LATEST),
-                                                   {"name": name, "step": state["step"]},
-                                                   self.config), self.config, ctx)
+                    _retry(lambda: write_json(join(self.config.dest, LATEST),
+                                              {"name": name, "step": state["step"]},
+                                              self.config.storage_options), self.config, ctx)
                 prune(root, self.config.keep_last)
                 ctx.emit({"type": "checkpoint", "step": state["step"], "path": path})
                 ctx.summary.update(latest=path, export=join(path, "export"), step=state["step"])
-            yield {"kind": "checkpoint", "step": state["step"], "final": state["final"],
-                   "path": path, "export": join(path, "export")}
+            yield _saved(state, path)
         ctx.summary["saved"] = saved
+
+
+def _saved(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """The item a checkpoint stage yields (evaluate reads ``export``)."""
+    return {"kind": "checkpoint", "step": state["step"], "final": state["final"], "path": path,
+            "export": join(path, "export")}
 
 
 def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageContext) -> str:
@@ -178,19 +181,6 @@ def upload(src: str, dest: str, cfg: CheckpointConfig, ctx: StageContext) -> Non
             rel = os.path.relpath(local, src)
             target = f"{dpath}/{rel}"
             _retry(lambda: dfs.put_file(local, target), cfg, ctx)
-
-
-def write_dest_json(url: str, data: Any, cfg: CheckpointConfig) -> None:
-    """``write_json`` on the upload destination, with its ``storage_options`` (endpoint, keys)."""
-    if not cfg.storage_options:
-        write_json(url, data)
-        return
-    import json
-
-    from fsspec.core import url_to_fs
-
-    fs, path = url_to_fs(url, **cfg.storage_options)
-    fs.pipe_file(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
 
 
 def _retry(fn: Any, cfg: CheckpointConfig, ctx: StageContext) -> None:

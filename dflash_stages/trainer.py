@@ -110,12 +110,12 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         every = self.snapshot_every()
         window: list[dict[str, float]] = []
-        micro, total, t0, tokens = 0, None, now(), 0
-        self.started, self.tokens_seen, step_start = now(), 0, 0
+        micro, total = 0, None
+        self.started, self.tokens_seen = now(), 0
+        t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         for row in rows:
             total = total or self.total_steps(row)
             stats = self._forward_backward(row, micro)
-            tokens += int(row["features"].shape[0])
             self.tokens_seen += int(row["features"].shape[0])
             micro += 1
             if stats is not None:
@@ -126,11 +126,11 @@ class Trainer:
             grad_norm, lr = self._optimizer_step(total)
             micro = 0
             self.step += 1
-            ctx.progress(1, total=total, unit="steps", tokens=self.tokens_seen - step_start)
-            step_start = self.tokens_seen
+            ctx.progress(1, total=total, unit="steps", tokens=self.tokens_seen - step_from)
+            step_from = self.tokens_seen
             if self.step % cfg.log_every == 0 or self.step == total:
-                self._log(window, grad_norm, lr, tokens / max(now() - t0, 1e-9))
-                window, tokens, t0 = [], 0, now()
+                self._log(window, grad_norm, lr, (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
+                window, window_from, t0 = [], self.tokens_seen, now()
             if every and self.step % every == 0:
                 yield self.snapshot(final=False)
         if micro:  # a last partial step still trains on the rows it has
@@ -138,7 +138,7 @@ class Trainer:
             self.step += 1
         if window:
             self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
-                      tokens / max(now() - t0, 1e-9))
+                      (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
         ctx.summary.update(steps=self.step)
         if self.tb is not None:
             self.tb.close()
