@@ -135,12 +135,8 @@ def _forward(model: nn.Module, ids: Sequence[int], start: int, cache: Any,
         kw["cache_position"] = pos[0]
     if capture is None:
         return model(**kw).logits[0], None
-    capture._out.clear()
-    with capture._hooks():  # last_hidden=True: the hooks record, the forward runs to the logits
-        logits = model(**kw).logits[0]
-    feats = torch.cat([capture._out[t][0] for t in capture.layer_ids], dim=-1)
-    capture._out.clear()
-    return logits, feats
+    logits, feats = capture.record(lambda: model(**kw).logits[0])
+    return logits, feats[0]
 
 
 def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
@@ -185,9 +181,7 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
         raise ValueError("empty prompt")
     eos = _eos_set(eos_token_id)
     if capture is None and layer_ids is not None:
-        capture = FeatureCapture(model, layer_ids, last_hidden=True)
-    elif capture is not None:
-        capture.last_hidden = True
+        capture = FeatureCapture(model, layer_ids)
     cache = _new_cache(model)
     tokens = [int(t) for t in prompt_ids]
     logits, feats = _forward(model, tokens, 0, cache, capture)

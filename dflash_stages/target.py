@@ -9,7 +9,7 @@ the ±1 layer-id convention is decided here once: id t = output of decoder layer
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}[name]
 
 
+T = TypeVar("T")
 RANDOM_PREFIX = "random:"
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -153,13 +154,13 @@ class FeatureCapture:
         self._out: dict[int, torch.Tensor] = {}
 
     @contextmanager
-    def _hooks(self) -> Iterator[None]:
+    def _hooks(self, stop_early: bool) -> Iterator[None]:
         top = max(self.layer_ids)
         handles = []
         for t in set(self.layer_ids):
             def hook(_m: nn.Module, _i: Any, out: Any, t: int = t) -> None:
                 self._out[t] = out[0] if isinstance(out, (tuple, list)) else out
-                if t == top and not self.last_hidden:
+                if t == top and stop_early:
                     raise _Enough()
             handles.append(self.layers[t].register_forward_hook(hook))
         try:
@@ -175,16 +176,29 @@ class FeatureCapture:
         """(features [B, T, k*H], last hidden [B, T, H] or None) for a batch of ids."""
         self._out.clear()
         last = None
-        with self._hooks():
+        with self._hooks(stop_early=not self.last_hidden):
             try:
                 out = base_model(self.model)(input_ids=input_ids, position_ids=position_ids,
                                              attention_mask=attention_mask, use_cache=False, **kw)
                 last = out[0] if self.last_hidden else None
             except _Enough:
                 pass
+        return self._take(), last
+
+    @torch.no_grad()
+    def record(self, forward: Callable[[], T]) -> tuple[T, torch.Tensor]:
+        """Run any forward of the model (the full LM with a KV cache, say) with the hooks on,
+        to the end; return its result and the chosen layers' features [B, T, k*H] — the
+        features of exactly the forward whose logits the caller uses."""
+        self._out.clear()
+        with self._hooks(stop_early=False):
+            result = forward()
+        return result, self._take()
+
+    def _take(self) -> torch.Tensor:
         feats = torch.cat([self._out[t] for t in self.layer_ids], dim=-1)
         self._out.clear()
-        return feats, last
+        return feats
 
 
 def packed_attention_mask(doc_lengths: Sequence[int], total: int, dtype: torch.dtype,
