@@ -44,16 +44,14 @@ def hist_index(n: int) -> int:
 
 
 def load_tokenizer(name: str) -> Any:
-    """An HF tokenizer by path or hub name; ``smollm2`` is the SmolLM2 GGUF of the test assets."""
+    """An HF tokenizer by path or hub name; ``smollm2`` is the bundled SmolLM2 GGUF (loaded by
+    its own helper, which serializes GGUF loads with the extract stage's in this process)."""
     from transformers import AutoTokenizer
 
     if name == "smollm2":
-        from pathlib import Path
+        from dflash_stages.smollm2 import load_smollm2_tokenizer
 
-        from dflash_stages.smollm2 import smollm2_gguf_path
-
-        path = Path(smollm2_gguf_path())
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return load_smollm2_tokenizer()
     return AutoTokenizer.from_pretrained(name)
 
 
