@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from dflash_core.artifacts import ArtifactStore
-from dflash_core.links import Channel, StopRun, close_all, fan_out
+from dflash_core.links import POLL_S, Channel, StopRun, close_all, fan_out
 from dflash_core.stage import Stage, StageContext
 
 
@@ -202,10 +202,24 @@ def _process_main(task: StageTask, events: Any, stop: Any) -> None:
         if isinstance(src, ChannelSource):
             src.channel.producer_alive = parent_alive
     _work(task, QueueEmitter(events), stop)
+    _wait_until_read(task.outputs, stop, parent_alive)
     for ch in task.outputs:
         if ch.closed.is_set() or stop.is_set():
             # nobody reads the rest: exiting must not wait for it to drain into the pipe
             ch.q.cancel_join_thread()
+
+
+def _wait_until_read(outputs: list[Channel], stop: Any, parent_alive: Any) -> None:
+    """Stay alive until every consumer has finished reading (it sets ``closed``), the run
+    stops, or the parent is gone. torch sends a tensor through a process queue as a handle
+    to memory this process still owns: a CPU tensor's shared-memory file descriptor is
+    handed over on request by this process's resource-sharer thread, a CUDA tensor is
+    mapped through CUDA IPC. Exiting right after the last ``put`` made the consumer fail on
+    the rows still queued (FileNotFoundError connecting to the sharer)."""
+    while outputs and not all(ch.closed.is_set() for ch in outputs):
+        if stop.is_set() or not parent_alive():
+            return
+        stop.wait(POLL_S)
 
 
 class ProcessWorker:
