@@ -6,6 +6,12 @@ documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA
     python benchmarks/train_step.py                      # the H200 run
     python benchmarks/train_step.py --device cpu --tiny  # smoke test (any machine)
     python benchmarks/train_step.py --out results/       # also write results/train_step.json
+    python benchmarks/train_step.py --profile results/   # + torch.profiler top-kernel tables
+    python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
+    python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
+
+Run it twice with ``--compile-cache`` on a fresh machine (empty TORCHINDUCTOR_CACHE_DIR and
+TRITON_CACHE_DIR) to see the cold and the cached first step.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import sys
 
 import argparse
 import json
+import logging
 import statistics
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.drafter.attention import resolve_backend
+from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 
@@ -88,6 +97,9 @@ def attended_pairs(s: dict[str, Any], anchors: torch.Tensor) -> list[int]:
     return [layout.attended_pairs(cfg.sliding_window if lt == "sliding_attention" else None) for lt in cfg.layer_types]
 
 
+LOG = logging.getLogger("train_step")
+
+
 def log(msg: str) -> None:
     """Progress on stderr, so a run cut short by a time limit still shows where it was."""
     print(msg, file=sys.stderr, flush=True)
@@ -101,14 +113,21 @@ def sync(dev: torch.device) -> None:
 def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     s = make_setup(args, torch.bfloat16, backend)
     model, dev = s["model"], s["device"]
+    compiled = args.compile == "on" or (args.compile == "auto" and dev.type == "cuda")
+    loaded = False
+    if compiled:
+        model.compile_layers()
+        if args.compile_cache:
+            loaded = compile_cache.load(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
     fused = {"fused": True} if dev.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.0, **fused)
     gen = torch.Generator().manual_seed(args.seed)
 
     def step() -> torch.Tensor:
-        anchors = sample_anchors(s["loss_mask"], s["lengths"], s["N"], gen)
+        anchors = sample_anchors(s["loss_mask"].cpu(), s["lengths"], s["N"], gen)
         out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
-                           anchors, s["embed"], s["lm_head"])
+                           anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
+                           chunk_rows=args.chunk_rows)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -119,11 +138,13 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     t0 = time.perf_counter()
-    log(f"[{backend}] first step (compiles on CUDA with flex)...")
+    log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded})...")
     step()
     sync(dev)
     first = time.perf_counter() - t0
     log(f"[{backend}] first step {first:.1f}s")
+    if compiled and args.compile_cache and not loaded:
+        compile_cache.save(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
     for i in range(args.warmup):
         t1 = time.perf_counter()
         step()
@@ -145,7 +166,10 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
     med = statistics.median(times)
     tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
-    return dict(backend=resolve_backend(backend, dev), device=str(dev), torch=torch.__version__, tokens=s["T"], anchors=s["N"],
+    if args.profile:
+        profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
+    return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
+                torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
                 tflop_per_s=tflops, mfu=tflops * 1e12 / H200_BF16_PEAK,
@@ -153,13 +177,61 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 steps=args.steps)
 
 
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("flex attention", ("flex", "tem_fused")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "wgmma")),
+    ("fused (Inductor)", ("triton_",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy / cast", ("copy", "memcpy", "memset", "fill")),
+)
+
+
+def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int = 3) -> None:
+    """torch.profiler over ``n`` steps: top kernels by GPU time, time per kernel kind, GPU idle share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync(dev)
+        wall = (time.perf_counter() - t0) / n
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time / 1e3 / n)  # ms per step
+    rows = sorted(((sum(v), len(v) / n, k) for k, v in kernels.items()), reverse=True)
+    busy = sum(r[0] for r in rows)
+    kinds: dict[str, float] = {}
+    for ms, _, name in rows:
+        kind = next((kd for kd, keys in KERNEL_KINDS if any(x in name.lower() for x in keys)), "other (aten)")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    lines = [f"profile of {n} steps: wall {wall * 1e3:.1f} ms/step (profiler on), GPU busy {busy:.1f} ms/step "
+             f"({busy / (wall * 1e3):.0%})", "", f"{'ms/step':>8} {'share':>6} {'calls':>6}  kernel"]
+    lines += [f"{ms:8.2f} {ms / busy:6.1%} {calls:6.0f}  {name[:110]}" for ms, calls, name in rows[:25]]
+    lines += ["", f"{'ms/step':>8} {'share':>6}  kind"]
+    lines += [f"{ms:8.2f} {ms / busy:6.1%}  {kd}" for kd, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    text = "\n".join(lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    log(text)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "flex", "sdpa", "both"])
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the draft layers and the loss chunks (auto: on CUDA)")
+    p.add_argument("--chunk-rows", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
+    p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")
+    p.add_argument("--compile-cache", type=Path, default=None,
+                   help="portable compile cache directory: loaded before the first step, saved after it")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     args.steps = args.steps if args.steps is not None else (3 if args.tiny else 30)
     backends = ["flex", "sdpa"] if args.backend == "both" else [args.backend]
@@ -180,11 +252,11 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
-    print(f"\n{'backend':8} {'first step s':>12} {'step ms':>9} {'tokens/s':>10} {'TFLOP/step':>10} "
+    print(f"\n{'backend':8} {'compiled':>8} {'first step s':>12} {'step ms':>9} {'tokens/s':>10} {'TFLOP/step':>10} "
           f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for r in results:
         mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
-        print(f"{r['backend']:8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} {r['tokens_per_s']:10.0f} "
+        print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} {r['tokens_per_s']:10.0f} "
               f"{r['tflop_per_step']:10.2f} {r['tflop_per_s']:8.1f} {r['mfu']:6.1%} {mem}")
     for b, msg in failures.items():
         print(f"{b:8} FAILED: {msg}")

@@ -113,28 +113,33 @@ class ArtifactWriter:
         manifest = {"stage": self.stage, "key": self.key, "digest": digest, "items": self.count,
                     "created": time.time(), **meta}
         _atomic_write(fs, self.store._path(join(self.dir, MANIFEST)),
-                      json.dumps(manifest, indent=1, sort_keys=True, default=str), self.store.local)
+                      json.dumps(manifest, indent=1, sort_keys=True, default=str).encode(), self.store.local)
         return digest
 
 
-def _atomic_write(fs: Any, path: str, text: str, local: bool) -> None:
+def _atomic_write(fs: Any, path: str, data: bytes, local: bool) -> None:
     if local:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     else:  # object stores: a single PUT is atomic
-        with fs.open(path, "wt") as f:
-            f.write(text)
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_bytes(url: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Atomically write a file at a local path or URL (``storage_options``: endpoint, keys)."""
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    local = "file" in _protocols(fs)
+    if local:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    _atomic_write(fs, path, data, local)
 
 
 def write_json(url: str, data: Any, storage_options: dict[str, Any] | None = None) -> None:
-    """Atomically write a JSON file at a local path or URL (``storage_options``: endpoint, keys)."""
-    fs, path = url_to_fs(url, **(storage_options or {}))
-    if "file" in _protocols(fs):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    _atomic_write(fs, path, json.dumps(data, indent=1, sort_keys=True, default=str),
-                  "file" in _protocols(fs))
+    """Atomically write a JSON file at a local path or URL."""
+    write_bytes(url, json.dumps(data, indent=1, sort_keys=True, default=str).encode(), storage_options)
 
 
 def read_json(url: str) -> Any | None:

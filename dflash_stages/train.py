@@ -42,13 +42,21 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = field(default=0, metadata={
         "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
-    chunk_rows: int = 1024
+    chunk_rows: int = field(default=1024, metadata={"help": "LM-head rows per loss chunk (memory vs speed)"})
+    compile: str = field(default="auto", metadata={
+        "help": "torch.compile the draft layers and the loss: auto (on CUDA) | on | off"})
+    compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
+        "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
+    pad_anchors: bool = field(default=True, metadata={
+        "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={
         "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
 
     def __post_init__(self) -> None:
         if self.loss_target not in ("data", "target_argmax", "kl"):
             raise ValueError("loss_target must be data, target_argmax or kl")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError("compile must be auto, on or off")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
 

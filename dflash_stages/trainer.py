@@ -10,6 +10,7 @@ import torch
 
 from dflash_core import StageContext
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
+from dflash_stages import compile_cache
 from dflash_stages.target import resolve_dtype
 from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
 
@@ -49,6 +50,14 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay, fused=fused)
+        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        self.cache_url: str | None = None
+        if self.compiled:
+            self.model.compile_layers()
+            if cfg.compile_cache:
+                self.cache_url = compile_cache.cache_url(cfg.compile_cache, self.device)
+                if compile_cache.load(self.cache_url, self.ctx.logger):
+                    self.cache_url = None  # warm: nothing new to save
         if self.distributed:
             self._init_distributed()
         if self.ctx.resume_checkpoint:
@@ -109,7 +118,7 @@ class Trainer:
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         cfg, ctx = self.cfg, self.ctx
         every = self.snapshot_every()
-        window: list[dict[str, float]] = []
+        window: list[dict[str, torch.Tensor]] = []
         micro, total = 0, None
         self.started, self.tokens_seen = now(), 0
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
@@ -126,6 +135,8 @@ class Trainer:
             grad_norm, lr = self._optimizer_step(total)
             micro = 0
             self.step += 1
+            if self.step == 1 and self.cache_url and ctx.rank == 0:
+                compile_cache.save(self.cache_url, ctx.logger)  # everything is compiled by now
             ctx.progress(1, total=total, unit="steps", tokens=self.tokens_seen - step_from)
             step_from = self.tokens_seen
             if self.step % cfg.log_every == 0 or self.step == total:
@@ -146,7 +157,7 @@ class Trainer:
 
     def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, float] | None:
         cfg = self.cfg
-        features = row["features"].to(self.device, non_blocking=True)
+        features = _borrow(row["features"], self.device)
         loss_mask = torch.as_tensor(row["loss_mask"]).to(torch.long)
         # seeded by the row's place in the global batch: one process with rows_per_step=R
         # draws the same anchors as R ranks with one row each
@@ -160,14 +171,15 @@ class Trainer:
             self.model, features, torch.as_tensor(row["input_ids"]).long(), loss_mask,
             torch.as_tensor(row["position_ids"]).long(), row["doc_lengths"], anchors,
             self.embed, self.head, gamma=cfg.gamma, target=cfg.loss_target,
-            target_hidden=None if last is None else last.to(self.device),
-            chunk_rows=cfg.chunk_rows)
+            target_hidden=None if last is None else _borrow(last, self.device),
+            chunk_rows=cfg.chunk_rows, pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
+            compile_loss=self.compiled)
         (out.loss / cfg.rows_per_step).backward()
-        return {"loss": float(out.loss.detach()), "acc": float(out.acc),
-                "tau_sim": float(out.tau_sim),
-                "per_slot_acc": [round(float(a), 4) for a in out.per_slot_acc]}
+        # tensors, not floats: reading them back would stall the GPU every row; _log syncs once
+        return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim,
+                "per_slot_acc": out.per_slot_acc}
 
-    def _optimizer_step(self, total: int | None) -> tuple[float, float]:
+    def _optimizer_step(self, total: int | None) -> tuple[torch.Tensor, float]:
         params = [p for p in self.model.parameters()]
         if self.distributed:
             import torch.distributed as dist
@@ -181,7 +193,7 @@ class Trainer:
                 n = p.numel()
                 p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
                 offset += n
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         lr = lr_at(self.step, total, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -189,16 +201,16 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return grad_norm, lr
 
-    def _log(self, window: list[dict[str, float]], grad_norm: float, lr: float, tps: float) -> None:
+    def _log(self, window: list[dict[str, torch.Tensor]], grad_norm: torch.Tensor | float, lr: float,
+             tps: float) -> None:
         if not window:
             return
-        n = len(window)
-        record = {"step": self.step, "loss": sum(w["loss"] for w in window) / n,
-                  "acc": sum(w["acc"] for w in window) / n,
-                  "tau_sim": sum(w["tau_sim"] for w in window) / n,
-                  "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+        means = torch.stack([torch.stack([w[k].double().cpu() for k in ("loss", "acc", "tau_sim")])
+                             for w in window]).mean(0).tolist()  # the one host sync of the window
+        record = {"step": self.step, "loss": means[0], "acc": means[1], "tau_sim": means[2],
+                  "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
                   "tokens": self.tokens_seen, "elapsed_s": now() - self.started, "time": time.time(),
-                  "per_slot_acc": window[-1]["per_slot_acc"]}
+                  "per_slot_acc": [round(a, 4) for a in window[-1]["per_slot_acc"].tolist()]}
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
         shown = ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
@@ -229,6 +241,18 @@ class Trainer:
                          "heldout": os.path.abspath(self.cfg.heldout) if self.cfg.heldout else None,
                          "metrics": self.metrics_file, "step": self.step},
         }
+
+
+def _borrow(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without a host sync, safe to drop right after.
+
+    The producer (extract) allocated ``t`` on its own CUDA stream; this step reads it on the
+    current stream (a peer copy runs on the source device's current stream). Nothing waits for that
+    read before the row is dropped, so the allocator is told about it, or extract could reuse the
+    memory for a later row while the read is still queued."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t.to(device, non_blocking=True)
 
 
 def _row_state(row: dict[str, Any]) -> dict[str, Any]:

@@ -17,13 +17,17 @@ from dflash_core.drafter.mask import BlockLayout
 
 def doc_ids_from_lengths(doc_lengths: Sequence[int] | torch.Tensor, total: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
-    """[total] document index per row; rows after the last document are padding (-1)."""
-    lengths = torch.as_tensor(doc_lengths, dtype=torch.long, device=device)
+    """[total] document index per row; rows after the last document are padding (-1).
+
+    Built where the lengths are (on the host for a list) and then copied, so a CUDA caller
+    pays no host sync for the length check."""
+    lengths = torch.as_tensor(doc_lengths, dtype=torch.long)
     used = int(lengths.sum())
     if used > total:
         raise ValueError(f"doc_lengths sum to {used} > row length {total}")
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    return torch.cat([ids, ids.new_full((total - used,), -1)])
+    ids = torch.cat([ids, ids.new_full((total - used,), -1)])
+    return ids.to(device, non_blocking=True) if device is not None else ids
 
 
 def resolve_doc_ids(total: int, doc_lengths: Sequence[int] | torch.Tensor | None,
@@ -59,23 +63,41 @@ def sample_anchors(loss_mask: torch.Tensor, doc_lengths: Sequence[int] | torch.T
     return cand[pick].sort().values
 
 
+def pad_anchors(anchors: torch.Tensor, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors padded to ``size`` with row 0, valid [size] bool) — padding blocks keep the shapes
+    of every step equal (no recompilation); ``valid`` keeps them out of the mask, loss and metrics."""
+    n = int(anchors.shape[0])
+    valid = torch.ones(n, dtype=torch.bool, device=anchors.device)
+    if size is None or size <= n:
+        return anchors, valid
+    extra = size - n
+    return torch.cat([anchors, anchors.new_zeros(extra)]), torch.cat([valid, valid.new_zeros(extra)])
+
+
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                 anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 anchors: torch.Tensor, block_size: int, valid: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(labels [N, B-1], supervised [N, B-1] bool, label rows [N, B-1]) for slots 1..B-1.
 
     Slot k of anchor a is labelled with input_ids[a+k]; it is supervised iff a+k < T, same
-    document as a, and loss_mask[a+k] = 1. Unsupervised slots carry a harmless label.
+    document as a, and loss_mask[a+k] = 1 (and the block is not padding, see ``pad_anchors``).
+    Unsupervised slots carry a harmless label.
     """
     T = input_ids.shape[0]
     rows = anchors[:, None] + torch.arange(1, block_size, device=anchors.device)[None, :]
     safe = rows.clamp(max=T - 1)
     ok = (rows < T) & (doc_ids[safe] == doc_ids[anchors][:, None]) & loss_mask[safe].bool()
+    if valid is not None:
+        ok = ok & valid[:, None]
     return input_ids[safe], ok, safe
 
 
+PADDING_BLOCK_DOC = -2  # a document id no context row has: padding blocks see only themselves
+
+
 def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
-                 anchors: torch.Tensor, block_size: int, mask_token_id: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, BlockLayout]:
+                 anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockLayout]:
     """(block token ids [N, B], block positions [N, B], layout) for the given anchors.
 
     Slot 0 = the anchor's token, slots 1..B-1 = mask_token_id; positions pos(a) + k (per document).
@@ -83,7 +105,10 @@ def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: t
     ids = input_ids.new_full((anchors.shape[0], block_size), int(mask_token_id))
     ids[:, 0] = input_ids[anchors]
     pos = position_ids[anchors][:, None] + torch.arange(block_size, device=anchors.device)[None, :]
-    layout = BlockLayout(ctx_doc=doc_ids, block_doc=doc_ids[anchors], block_start=anchors, block_size=block_size)
+    block_doc = doc_ids[anchors]
+    if valid is not None:
+        block_doc = torch.where(valid, block_doc, PADDING_BLOCK_DOC)
+    layout = BlockLayout(ctx_doc=doc_ids, block_doc=block_doc, block_start=anchors, block_size=block_size)
     return ids, pos, layout
 
 

@@ -40,7 +40,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend
     """
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if backend == "flex":
-        out = _flex_fn(q.device.type == "cuda")(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1])
+        # inside a compiled region (compiled draft layers) the plain function is traced in place
+        compiled = q.device.type == "cuda" and not torch.compiler.is_compiling()
+        out = _flex_fn(compiled)(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1])
     else:
         rep = qh.shape[1] // kh.shape[1]
         if rep > 1:  # explicit GQA expansion keeps SDPA on its masked fused kernels on every torch version
