@@ -4,38 +4,54 @@ back to back, and the whole pipeline (pack:random -> extract -> train) through t
     python benchmarks/online.py                                   # Qwen3-8B dims, 8,192-token rows
     python benchmarks/online.py --preset qwen3-32b --layers 1,16,31,46,61 --rows 12
     python benchmarks/online.py --device cpu --preset tiny        # smoke test
+    python benchmarks/online.py --tokens 16384 --attn both --target-only   # sdpa vs packed_flex
 
 Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target forward =
 2 x non-embedding params x T + causal attention within documents).
+
+``--attn``: the target's attention on packed rows — sdpa (4D additive mask), packed_flex
+(flex_attention + document-causal BlockMask, dflash_stages/packed_attention.py), auto (packed_flex
+on CUDA, sdpa elsewhere: what extract uses by default), or both (each timed on the same rows; the
+drafter and pipeline parts then use auto's choice).
 """
 
 from __future__ import annotations
-
-import sys
-
 
 import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, sample_anchors, training_flops
+from dflash_core.drafter import (
+    build_blocks,
+    doc_ids_from_lengths,
+    sample_anchors,
+    training_flops,
+)
 from dflash_core.stage import StageContext
+from dflash_stages.packed_attention import NAME as FLEX
+from dflash_stages.packed_attention import (
+    register,
+    resolve_attn_implementation,
+    row_attention_mask,
+)
 from dflash_stages.random_rows import RandomRowsConfig, random_row
-from dflash_stages.target import PRESETS, FeatureCapture, load_target, packed_attention_mask
+from dflash_stages.target import PRESETS, FeatureCapture, load_target
 from dflash_stages.train import TrainConfig
 from dflash_stages.trainer import Trainer
 
-PRESETS.setdefault("tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+PRESETS.setdefault("tiny", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
 PEAK = 744e12  # bf16 matmul measured on the H200 (DESIGN §8)
 
 
@@ -68,17 +84,25 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per row; default 8192 on CUDA, 2048 on CPU (a smoke test there: "
+                        "flex_attention runs eager and unfused on CPU, ~1 min per 8k-token row)")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", default="auto")
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", FLEX, "both"],
+                   help="target attention (see the module docstring); both = sdpa and packed_flex")
+    p.add_argument("--target-only", action="store_true",
+                   help="time the target forward only: no drafter, back-to-back or pipeline part")
     args = p.parse_args()
     if args.device == "cuda":
         args.device = "cuda:0"
     dev = torch.device(args.device)
+    if args.tokens is None:
+        args.tokens = 8192 if dev.type == "cuda" else 2048
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dtype_name = "bf16" if dev.type == "cuda" else "float32"
@@ -87,9 +111,13 @@ def main() -> None:
     res: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "device": str(dev),
                            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
+    attn = resolve_attn_implementation("auto" if args.attn == "both" else args.attn, dev)
+    variants = ["sdpa", FLEX] if args.attn == "both" else [attn]
+    res["attn"] = attn
+
     # ---------------------------------------------------------------- the parts alone
     t0 = time.perf_counter()
-    target, tok = load_target(model_ref, args.device, dtype_name)
+    target, tok = load_target(model_ref, args.device, dtype_name, variants[0])
     res["target_init_s"] = time.perf_counter() - t0
     from dflash_core.drafter import default_target_layer_ids
     L = target.config.num_hidden_layers
@@ -100,16 +128,47 @@ def main() -> None:
     rows = [random_row(rcfg, i) for i in range(args.rows)]
     dtype = next(target.parameters()).dtype
 
+    def use_attn(impl: str) -> None:
+        """Switch the loaded target's attention implementation in place (same weights)."""
+        if impl == FLEX:
+            register()
+        if target.config._attn_implementation != impl:
+            target.set_attn_implementation(impl)
+        if target.config._attn_implementation != impl:
+            raise RuntimeError(f"could not switch the target to {impl}")
+
     def forward(row: dict[str, Any]) -> torch.Tensor:
+        """The extract stage's per-row work: the row's mask for the current implementation
+        (4D additive or BlockMask), then the hooked forward."""
         x = torch.as_tensor(row["input_ids"]).to(dev)[None]
         pos = torch.as_tensor(row["position_ids"]).to(dev)[None]
-        mask = packed_attention_mask(row["doc_lengths"], args.tokens, dtype, dev)
+        mask = row_attention_mask(target, row["doc_lengths"], args.tokens, dtype, dev)
         return cap.capture(x, pos, mask)[0][0]
 
-    fwd = [timed(lambda r=r: forward(r), dev) for r in rows]
-    fwd_s = statistics.median(fwd[args.warmup:])
     tf = target_flops(target, rows[0]["doc_lengths"], max(ids))
-    res.update(target_ms=fwd_s * 1e3, target_tok_s=args.tokens / fwd_s, target_tflops=tf / fwd_s / 1e12)
+    res["target"] = {}
+    first_feats: dict[str, torch.Tensor] = {}
+    for impl in variants:
+        use_attn(impl)
+        fwd = [timed(lambda r=r: forward(r), dev) for r in rows]
+        fwd_s = statistics.median(fwd[args.warmup:])
+        res["target"][impl] = {"first_s": fwd[0], "ms": fwd_s * 1e3, "tok_s": args.tokens / fwd_s,
+                               "tflops": tf / fwd_s / 1e12}
+        first_feats[impl] = forward(rows[0])
+    if len(variants) > 1:  # the same features either way (bf16 rounding aside)
+        a, b = (first_feats[v].float() for v in variants)
+        res["attn_max_abs_diff"] = (a - b).abs().max().item()
+        res["attn_rel_diff"] = ((a - b).norm() / a.norm()).item()
+        a = b = None
+    first_feats.clear()
+    use_attn(attn)
+    main_t = res["target"][attn]
+    res.update(target_ms=main_t["ms"], target_tok_s=main_t["tok_s"], target_tflops=main_t["tflops"])
+    if args.target_only:
+        if dev.type == "cuda":
+            res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        report(res, args)
+        return
 
     from dflash_stages.target import embeddings_and_head
     embed, head = embeddings_and_head(target)
@@ -163,7 +222,7 @@ version: 1
 run_dir: {work}/run
 stages:
   pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
-  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}}}}}
+  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn}}}}}
   train: {{uses: dflash, after: extract, device: {args.device},
           params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
 """
@@ -172,7 +231,8 @@ stages:
     t0 = time.perf_counter()
     Runner(pipeline, pm).run()
     res["pipeline_wall_s"] = time.perf_counter() - t0
-    metrics = [json.loads(x) for x in open(f"{work}/run/metrics.jsonl")]
+    with open(f"{work}/run/metrics.jsonl") as f:
+        metrics = [json.loads(x) for x in f]
     # steady state: steps after the queue filled during the first (compiling) step has drained
     steady = metrics[skip:]
     pipe_s = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
@@ -182,12 +242,25 @@ stages:
                overhead_vs_back_to_back=(args.tokens / pipe_tok_s) / b2b_s - 1)
     if dev.type == "cuda":
         res["peak_gib_pipeline"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    report(res, args)
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    """Write the JSON (with --out), print it and the table."""
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"online-{args.preset}-{args.tokens}.json").write_text(json.dumps(res, indent=1))
+        name = f"online-{args.preset}-{args.tokens}{'-target' if args.target_only else ''}.json"
+        (args.out / name).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     print(f"\n{'what':34s} {'ms/row':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s}")
-    print(f"{'target forward (hooks)':34s} {res['target_ms']:9.1f} {res['target_tok_s']:10.0f} {res['target_tflops']:8.1f}")
+    for impl, t in res["target"].items():
+        what = f"target forward ({impl}{', 4D mask' if impl in ('sdpa', 'eager') else ''})"
+        print(f"{what:34s} {t['ms']:9.1f} {t['tok_s']:10.0f} {t['tflops']:8.1f}")
+    if "attn_rel_diff" in res:
+        print(f"features sdpa vs {FLEX}: max |diff| {res['attn_max_abs_diff']:.3g}, "
+              f"relative {res['attn_rel_diff']:.3g}")
+    if args.target_only:
+        return
     print(f"{'drafter step':34s} {res['drafter_ms']:9.1f} {res['drafter_tok_s']:10.0f} {res['drafter_tflops']:8.1f}")
     print(f"{'back to back':34s} {res['back_to_back_ms']:9.1f} {res['back_to_back_tok_s']:10.0f}")
     print(f"{'pipeline (runner, threads)':34s} {res['pipeline_ms']:9.1f} {res['pipeline_tok_s']:10.0f}")

@@ -93,7 +93,8 @@ def attended_pairs(s: dict[str, Any], anchors: torch.Tensor) -> list[int]:
     """P of each draft layer's mask for these anchors (the FLOP model's attention term)."""
     cfg = s["cfg"]
     docs = doc_ids_from_lengths(s["lengths"], s["T"], s["device"])
-    layout = build_blocks(s["input_ids"], s["position_ids"], docs, anchors, cfg.block_size, cfg.mask_token_id)[2]
+    layout = build_blocks(s["input_ids"], s["position_ids"], docs, anchors.to(s["device"]), cfg.block_size,
+                          cfg.mask_token_id)[2]
     return [layout.attended_pairs(cfg.sliding_window if lt == "sliding_attention" else None) for lt in cfg.layer_types]
 
 
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     sync(dev)
     first = time.perf_counter() - t0
     log(f"[{backend}] first step {first:.1f}s")
+    if compiled:
+        log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     if compiled and args.compile_cache and not loaded:
         compile_cache.save(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
     for i in range(args.warmup):
