@@ -202,7 +202,8 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
         wall = (time.perf_counter() - t0) / n
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels listed on their own
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             kernels.setdefault(e.name, []).append(e.device_time / 1e3 / n)  # ms per step
     rows = sorted(((sum(v), len(v) / n, k) for k, v in kernels.items()), reverse=True)
     busy = sum(r[0] for r in rows)

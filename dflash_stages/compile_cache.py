@@ -39,9 +39,12 @@ def load(url: str, logger: logging.Logger | Any) -> bool:
     except FileNotFoundError:
         return False
     try:
-        torch.compiler.load_cache_artifacts(blob)
+        info = torch.compiler.load_cache_artifacts(blob)  # None: torch rejected the blob (and said why)
     except Exception as e:  # a damaged blob costs a cold compile, never the run
         logger.warning("compile cache %s not loaded (%s: %s); compiling from scratch", url, type(e).__name__, e)
+        return False
+    if info is None:
+        logger.warning("compile cache %s not loaded (unreadable); compiling from scratch", url)
         return False
     logger.info("compile cache loaded from %s (%.1f MB)", url, len(blob) / 1e6)
     return True
