@@ -83,12 +83,12 @@ _real_build_blocks = drafter_loss_module.build_blocks
 _real_capture = FeatureCapture.capture
 
 
-def _shifted_labels(input_ids, loss_mask, doc_ids, anchors, block_size):
-    return _real_block_labels(input_ids, loss_mask, doc_ids, anchors + 1, block_size)
+def _shifted_labels(input_ids, loss_mask, doc_ids, anchors, block_size, valid=None):
+    return _real_block_labels(input_ids, loss_mask, doc_ids, anchors + 1, block_size, valid)
 
 
-def _anchor_visible(input_ids, position_ids, doc_ids, anchors, block_size, mask_token_id):
-    ids, pos, lay = _real_build_blocks(input_ids, position_ids, doc_ids, anchors, block_size, mask_token_id)
+def _anchor_visible(input_ids, position_ids, doc_ids, anchors, block_size, mask_token_id, valid=None):
+    ids, pos, lay = _real_build_blocks(input_ids, position_ids, doc_ids, anchors, block_size, mask_token_id, valid)
     return ids, pos, BlockLayout(lay.ctx_doc, lay.block_doc, lay.block_start + 1, block_size)
 
 
