@@ -2,15 +2,19 @@
 
 The target runs frozen, without its LM head (the forward stops after the highest layer the
 drafter reads), with a block-diagonal causal mask so the documents of a packed row never see
-each other. Running in its own thread (or process), it computes row i+1 while the trainer
-works on row i; on CUDA it uses its own stream and finishes each row before handing it on.
+each other: a 4D additive mask for sdpa / eager, a document-causal flex BlockMask for
+``packed_flex`` (the default on CUDA: SDPA with a 4D mask leaves its flash kernel, flex skips the
+masked blocks; see ``dflash_stages.packed_attention``). Running in its own thread (or process),
+it computes row i+1 while the trainer works on row i; on CUDA it uses its own stream and finishes
+each row before handing it on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 from dflash_core import Stage, StageContext
 
@@ -24,7 +28,16 @@ class ExtractConfig:
     dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
     last_hidden: bool = field(default=False, metadata={
         "help": "also return the final hidden state (target_argmax / kl losses)"})
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = field(default="auto", metadata={
+        "help": "auto = packed_flex on CUDA (flex_attention, document-causal BlockMask), sdpa "
+                "elsewhere; or sdpa / eager (4D mask) / packed_flex"})
+
+    def __post_init__(self) -> None:
+        from dflash_stages.packed_attention import IMPLEMENTATIONS
+
+        if self.attn_implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                             f"got {self.attn_implementation!r}")
 
 
 class HFHooksExtract(Stage):
@@ -39,21 +52,30 @@ class HFHooksExtract(Stage):
         import torch
 
         from dflash_core.drafter import default_target_layer_ids
-        from dflash_stages.target import (FeatureCapture, embeddings_and_head, load_target,
-                                          packed_attention_mask)
+        from dflash_stages.packed_attention import (
+            resolve_attn_implementation,
+            row_attention_mask,
+        )
+        from dflash_stages.target import (
+            FeatureCapture,
+            embeddings_and_head,
+            load_target,
+        )
 
         cfg = self.config
         device = torch.device(ctx.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, cfg.attn_implementation)
+        attn = resolve_attn_implementation(cfg.attn_implementation, device)
+        model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
         n_layers = model.config.num_hidden_layers
         ids = (default_target_layer_ids(n_layers, cfg.num_features) if cfg.layers == "auto"
                else [int(t) for t in cfg.layers])  # type: ignore[union-attr]
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
         embed, head = embeddings_and_head(model)
         dtype = next(model.parameters()).dtype
-        ctx.logger.info("target %s: %d layers, features from %s", cfg.model, n_layers, ids)
+        ctx.logger.info("target %s: %d layers, features from %s, attention %s", cfg.model, n_layers,
+                        ids, attn)
         yield {"kind": "target", "model": cfg.model, "config": model.config.to_dict(),
                "target_layer_ids": ids, "embed_weight": embed, "lm_head_weight": head,
                "tokenizer_len": len(tokenizer), "all_special_ids": list(tokenizer.all_special_ids)}
@@ -65,7 +87,7 @@ class HFHooksExtract(Stage):
             position_ids = torch.as_tensor(row["position_ids"], dtype=torch.long)
             lengths = [int(n) for n in row["doc_lengths"]]
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                mask = packed_attention_mask(lengths, T, dtype, device)
+                mask = row_attention_mask(model, lengths, T, dtype, device)
                 feats, last = capture.capture(input_ids.to(device)[None],
                                               position_ids.to(device)[None], mask)
                 if stream is not None:

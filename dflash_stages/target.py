@@ -8,8 +8,9 @@ the ±1 layer-id convention is decided here once: id t = output of decoder layer
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,12 +29,12 @@ RANDOM_PREFIX = "random:"
 
 PRESETS: dict[str, dict[str, Any]] = {
     # shapes of public configs, for benchmarks with random weights (nothing is downloaded)
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                      num_attention_heads=64, num_key_value_heads=8, head_dim=128),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
 }
 
 
@@ -75,21 +76,35 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
     """(model, tokenizer) for a path, a hub name, ``smollm2`` (the bundled GGUF target) or
     ``random:PRESET`` (random weights at real shapes, for benchmarks).
 
-    The model is frozen, in eval mode, on ``device``.
+    The model is frozen, in eval mode, on ``device``. ``attn_implementation``: any HF name, or
+    ``packed_flex`` (registered here first; see ``dflash_stages.packed_attention``), or ``auto``
+    (packed_flex on CUDA, sdpa elsewhere).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash_stages import packed_attention
+
+    if attn_implementation == "auto":
+        attn_implementation = packed_attention.resolve_attn_implementation("auto", device)
+    if attn_implementation == packed_attention.NAME:
+        packed_attention.register()
     torch_dtype = resolve_dtype(dtype, device)
     if model.startswith(RANDOM_PREFIX):
         lm, tok = random_target(model, device, torch_dtype, attn_implementation)
     elif model == "smollm2":
         from dflash_stages.smollm2 import load_smollm2
 
-        lm, tok = load_smollm2(dtype=torch_dtype)
+        lm, tok = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
     else:
         tok = AutoTokenizer.from_pretrained(model)
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
                                                   attn_implementation=attn_implementation)
+    got = getattr(lm.config, "_attn_implementation", None)
+    if attn_implementation == packed_attention.NAME and got != attn_implementation:
+        # the mask built for each row follows the implementation: a silent fallback would
+        # hand a BlockMask to another attention function
+        raise ValueError(f"{model}: asked for attn_implementation {attn_implementation!r}, "
+                         f"the model uses {got!r}")
     lm = lm.to(device).eval()
     lm.requires_grad_(False)
     return lm, tok
@@ -202,9 +217,11 @@ class FeatureCapture:
 
 
 def packed_attention_mask(doc_lengths: Sequence[int], total: int, dtype: torch.dtype,
-                          device: torch.device | str) -> torch.Tensor:
+                          device: torch.device | str, sliding_window: int | None = None
+                          ) -> torch.Tensor:
     """Additive 4D mask [1, 1, T, T]: causal within each document, nothing across documents
-    or into padding (padding rows see themselves so softmax stays finite)."""
+    or into padding (padding rows see themselves so softmax stays finite); with
+    ``sliding_window``, also nothing ``sliding_window`` or more tokens back (sliding layers)."""
     doc = torch.full((total,), -1, dtype=torch.long, device=device)
     start = 0
     for i, n in enumerate(doc_lengths):
@@ -214,6 +231,8 @@ def packed_attention_mask(doc_lengths: Sequence[int], total: int, dtype: torch.d
     doc = torch.where(pad, -2 - torch.arange(total, device=device), doc)  # padding: own group
     idx = torch.arange(total, device=device)
     allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
+    if sliding_window is not None:
+        allowed &= idx[:, None] - idx[None, :] < sliding_window
     mask = torch.zeros(total, total, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
