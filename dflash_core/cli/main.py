@@ -15,7 +15,7 @@ from dflash_core import __version__
 from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console,
                                     setup_logging)
 
-COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status", "evaluate"]
+COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status", "evaluate", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,163 @@
+"""``dflash-pipe plan``: the layout model (dflash_core/plan.py) with exact numbers, and the command
+with given rates (no measurement). The measuring path is tests/stages/test_plan.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_core.plan import PlanInputs, fan_in_splits, plan
+from tests.conftest import REPO, STAGES
+
+RT, RD = 7200.0, 23000.0
+COLOCATED_4 = 4 / (1 / RT + 1 / RD)  # 21,933.77…
+
+
+def test_model_on_four_gpus_recommends_colocated():
+    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0), 4)
+    assert p.pairs.tokens_per_s == 14400.0
+    assert (p.pairs.target_gpus, p.pairs.drafter_gpus, p.pairs.bound) == (2, 2, "target")
+    assert p.fan_in.name == "fan-in 3→1" and p.fan_in.tokens_per_s == 21600.0
+    assert p.fan_in.bound == "target"
+    assert [(x.name, x.tokens_per_s) for x in p.fan_in_splits] == [("fan-in 3→1", 21600.0),
+                                                                  ("fan-in 2→2", 14400.0)]
+    assert p.colocated.tokens_per_s == pytest.approx(COLOCATED_4, rel=1e-6)
+    assert p.colocated.tokens_per_s == pytest.approx(21933.774834, rel=1e-6)
+    assert p.single.tokens_per_s == pytest.approx(COLOCATED_4 / 4, rel=1e-6)
+    assert p.recommended is p.colocated
+    # memory per GPU as given; nothing to check it against
+    assert p.pairs.memory == (("target", 60.0), ("drafter", 20.0))
+    assert p.fan_in.memory == (("target", 60.0), ("drafter", 20.0))
+    assert p.colocated.memory == (("target + drafter", 80.0),)
+    assert p.colocated.gib_per_gpu == 80.0
+    assert {x.fits for x in p.candidates()} == {None}
+    # no row size: nothing about the link
+    assert p.pairs.transfer_ms is None and p.pairs.link_busy is None
+
+
+def test_colocated_that_does_not_fit_leaves_fan_in():
+    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, gpu_gib=75.0), 4)
+    assert p.colocated.fits is False and p.single.fits is False
+    assert p.pairs.fits is True and p.fan_in.fits is True
+    assert p.recommended is p.fan_in and p.recommended.tokens_per_s == 21600.0
+    # fan-in not runnable with this engine: the fastest runnable that fits is named too
+    assert p.runnable_now is p.pairs
+    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, gpu_gib=75.0), 4, fan_in_runnable=True)
+    assert p.recommended is p.fan_in and p.runnable_now is None
+    assert 'extract with ranks: "0-2", train (and checkpoint) with ranks: 3' in p.fan_in.how
+    # nothing fits
+    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, gpu_gib=50.0), 4)
+    assert p.recommended is None
+
+
+def test_invalid_fan_in_splits_are_excluded():
+    assert fan_in_splits(4) == ([(3, 1), (2, 2)], [])
+    assert fan_in_splits(5) == ([(4, 1)], [(3, 2)])
+    assert fan_in_splits(8) == ([(7, 1), (6, 2), (4, 4)], [(5, 3)])
+    assert fan_in_splits(7) == ([(6, 1)], [(5, 2), (4, 3)])
+    p = plan(PlanInputs(RT, RD), 8)
+    assert [x.name for x in p.fan_in_splits] == ["fan-in 6→2", "fan-in 4→4", "fan-in 7→1"]
+    assert [x.tokens_per_s for x in p.fan_in_splits] == [43200.0, 28800.0, 23000.0]
+    assert p.fan_in_excluded == ((5, 3),)
+    p = plan(PlanInputs(RT, RD), 5)  # odd G: 2 pairs and one idle GPU; fan-in 4→1 only
+    assert (p.pairs.gpus, p.pairs.tokens_per_s) == (4, 14400.0)
+    assert [x.name for x in p.fan_in_splits] == ["fan-in 4→1"] and p.fan_in.tokens_per_s == 23000.0
+    p = plan(PlanInputs(RT, RD), 1)
+    assert p.pairs is None and p.fan_in is None and p.fan_in_splits == ()
+    assert p.recommended is p.colocated and p.colocated.tokens_per_s == p.single.tokens_per_s
+
+
+def test_overlap_link_and_queued_rows():
+    p = plan(PlanInputs(RT, RD, overlap=1.07), 4)
+    assert p.colocated.tokens_per_s == pytest.approx(1.07 * COLOCATED_4, rel=1e-9)
+    # a row of 1 GB at 100 GB/s: 10 ms, hidden (pairs: 2 rows/s per drafter GPU... far below 100)
+    p = plan(PlanInputs(RT, RD, row_tokens=8192, row_bytes=10**9), 4)
+    assert p.pairs.transfer_ms == pytest.approx(10.0)
+    assert p.pairs.link_busy == pytest.approx(0.01 * 7200 / 8192)
+    assert p.fan_in.link_busy == pytest.approx(0.01 * 21600 / 8192)
+    assert p.pairs.transfer_hidden and p.pairs.tokens_per_s == 14400.0
+    assert p.colocated.transfer_ms is None
+    # at 0.5 GB/s a row takes 2 s: the link, not the stages, bounds pairs and fan-in
+    p = plan(PlanInputs(RT, RD, row_tokens=8192, row_bytes=10**9, link_gbps=0.5), 4)
+    assert p.pairs.link_busy == pytest.approx(2.0 * 7200 / 8192) and not p.pairs.transfer_hidden
+    assert (p.pairs.bound, p.pairs.tokens_per_s) == ("link", 2 * 8192 / 2.0)
+    assert (p.fan_in.name, p.fan_in.bound, p.fan_in.tokens_per_s) == ("fan-in 2→2", "link", 8192.0)
+    assert p.colocated.tokens_per_s == pytest.approx(COLOCATED_4)
+    assert any("link-bound" in n for n in p.notes)
+    # rows queued on the extract GPU count there (target GPUs, colocated GPUs), not on drafters
+    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, row_tokens=8192, row_bytes=2**30 // 8,
+                        queued_rows=8), 4)
+    assert p.pairs.memory == (("target", 61.0), ("drafter", 20.0))
+    assert p.colocated.memory == (("target + drafter", 81.0),)
+
+
+def test_bad_inputs_are_refused():
+    for kw in (dict(target_tok_s=0.0, drafter_tok_s=1.0), dict(target_tok_s=1.0, drafter_tok_s=1.0, overlap=0.0),
+               dict(target_tok_s=1.0, drafter_tok_s=1.0, target_gib=-1.0)):
+        with pytest.raises(ValueError):
+            PlanInputs(**kw)
+    with pytest.raises(ValueError):
+        plan(PlanInputs(1.0, 1.0), 0)
+
+
+# ------------------------------------------------------------------------- the command
+PIPELINE = """
+    stages:
+      pack: {uses: "pack:random", params: {rows: 4, tokens_per_row: 8192}}
+      extract: {uses: hf_hooks, after: pack, params: {model: "random:qwen3-32b", layers: [1, 16, 31, 46, 61]}}
+      train: {uses: dflash, after: extract, params: {num_layers: 5}}
+"""
+
+
+def test_cli_with_given_rates_prints_every_layout_and_the_recommendation(cli, write_pipeline):
+    path = write_pipeline(PIPELINE)
+    res = cli("plan", path, "--rates", "7200,23000", "--memory", "60,20", "--gpus", "4")
+    assert res.code == 0, res.text
+    assert "plan for" in res.out and "on 4 GPUs (--gpus)" in res.out
+    assert res.lines_with("one GPU alone (reference)", "5,483", "1.00×", "83.1")
+    assert res.lines_with("│ pairs ", "2 targets → 2 drafters", "14,400", "target 63.1 / drafter 20.0")
+    assert res.lines_with("│ fan-in 3→1 ", "3 targets → 1 drafter", "21,600")
+    assert res.lines_with("│ colocated", "← recommended", "21,934", "4.00×", "83.1", "none (same GPU)")
+    assert "fan-in splits (tokens/s, best first): 3→1 21,600, 2→2 14,400 (= pairs)" in res.out
+    assert "recommended: colocated — 21,934 tokens/s on 4 GPUs" in res.out
+    # the feature row of 8,192 tokens x 5 layers x 5120 x bf16, and its copy at 100 GB/s
+    assert "8,192 tokens × 5 × 5120 × 2 B = 400.0 MiB; copy 4.2 ms at 100 GB/s" in res.out
+    assert "all-reduce" in res.out and "no multi-GPU run has been measured" in res.out
+
+    # colocated (83.1 GiB) does not fit in 80: fan-in is recommended
+    res = cli("plan", path, "--rates", "7200,23000", "--memory", "60,20", "--gpus", "4", "--gpu-memory", "80")
+    assert res.code == 0, res.text
+    assert res.lines_with("│ colocated", "NO (> 80.0)")
+    assert res.lines_with("│ fan-in 3→1", "← recommended", "yes")
+    assert "recommended: fan-in 3→1 — 21,600 tokens/s on 4 GPUs" in res.out
+
+    res = cli("plan", path, "--rates", "7200,23000", "--gpus", "4", "--json")
+    assert res.code == 0, res.text
+    import json
+
+    out = json.loads(res.out)
+    assert out["plan"]["pairs"]["tokens_per_s"] == 14400.0 and out["measured"] is None
+    assert out["plan"]["recommended"]["name"] == "colocated"
+
+
+def test_cli_refuses_what_it_cannot_measure(cli, write_pipeline):
+    path = write_pipeline("""
+        stages:
+          src: {uses: numbers, params: {n: 3}}
+    """)
+    res = cli("plan", "-p", STAGES, path)
+    assert res.code == 2 and "measuring needs the stages extract:hf_hooks and train:dflash" in res.err
+    res = cli("plan", "-p", STAGES, path, "--rates", "100,200", "--gpus", "2")
+    assert res.code == 0, res.text
+    assert "feature row size unknown" in res.out and res.lines_with("│ pairs ", "100")
+    with pytest.raises(SystemExit):
+        cli("plan", path, "--rates", "7200")
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from dflash_core.cli.main import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
