@@ -50,8 +50,6 @@ from dflash_stages.target import PRESETS, FeatureCapture, load_target
 from dflash_stages.train import TrainConfig
 from dflash_stages.trainer import Trainer
 
-PRESETS.setdefault("tiny", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12,
-                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
 PEAK = 744e12  # bf16 matmul measured on the H200 (DESIGN §8)
 
 

@@ -42,6 +42,10 @@ class StageSpec:
     link: str | None = None
     """Link of this stage's input edges if the file set one; else each upstream's default."""
     executor: str = "thread"
+    ranks: tuple[int, ...] | None = None
+    """torchrun ranks that run this stage (None = every rank). A stream link between stages on
+    different ranks crosses processes (``dflash_core/remote.py``): N producer ranks fan in to M
+    consumer ranks, N a multiple of M."""
     mark: Mark | None = None
 
     @property

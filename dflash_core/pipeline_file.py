@@ -15,7 +15,7 @@ File format (version 1)::
     defaults: {device: cpu, executor: thread}   # optional, applied to every stage
     x-anything: &anchor {...}       # keys starting with x- are ignored (for YAML anchors)
     stages:                         # non-empty mapping, in run order where the DAG allows
-      NAME: {uses, after, device, link, executor, params}
+      NAME: {uses, after, device, link, executor, ranks, params}
 
 ``--set PATH=VALUE`` overrides (``stages.train.params.lr=3e-4``, ``run_dir=/tmp/x``) are
 applied to the tree before validation; VALUE is read with ``yaml.safe_load`` and errors in it
@@ -39,7 +39,7 @@ from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, co
 
 VERSION = 1
 TOP_KEYS = ("version", "run_dir", "stages", "defaults")
-STAGE_KEYS = ("uses", "after", "device", "link", "executor", "params")
+STAGE_KEYS = ("uses", "after", "device", "link", "executor", "ranks", "params")
 DEFAULT_KEYS = ("device", "executor")
 EXTENSION_PREFIX = "x-"
 """Top-level keys starting with this are ignored (a place for YAML anchors, as in compose files)."""
@@ -119,6 +119,7 @@ class _Loader:
             if spec is not None:
                 specs[name] = spec
         self.cycles(stage_nodes)
+        self.cross_rank_links(specs, stage_nodes)
         if self.errors or version is None:
             return None
         return Pipeline(self.path, run_dir, specs, version)
@@ -256,10 +257,56 @@ class _Loader:
             return None
         if ("link" in body and link is None) or (executor_node is not None and executor is None):
             return None
+        ranks = self.ranks(body["ranks"]) if "ranks" in body else None
+        if "ranks" in body and ranks is None:
+            return None
         uses = body["uses"].value.strip() if "uses" in body else name
         return StageSpec(name=name, uses=uses, cls=cls, config=config, params=params, after=after,
                          device=device, link=link, executor=executor or cls.default_executor,
-                         mark=node.at_key)
+                         ranks=ranks, mark=node.at_key)
+
+    def ranks(self, node: Node) -> tuple[int, ...] | None:
+        """``ranks: [0, 1, 2]``, ``ranks: 3`` or ``ranks: "0-2"`` -> sorted unique rank ids."""
+        v = node.value
+        out: list[int] = []
+        if node.kind == "scalar" and isinstance(v, int) and not isinstance(v, bool):
+            out = [v]
+        elif node.kind == "scalar" and isinstance(v, str) and re.fullmatch(r"\s*\d+\s*-\s*\d+\s*", v):
+            lo, hi = (int(x) for x in v.split("-"))
+            out = list(range(lo, hi + 1))
+        elif node.kind == "seq" and all(i.kind == "scalar" and isinstance(i.value, int)
+                                        and not isinstance(i.value, bool) for i in node.value):
+            out = [i.value for i in node.value]
+        if not out or any(r < 0 for r in out) or len(set(out)) != len(out):
+            self.err(node.mark, f"'ranks' must be torchrun ranks: a list of distinct integers >= 0, "
+                                f"one integer, or a range like \"0-2\"; got {node.describe()}")
+            return None
+        return tuple(sorted(out))
+
+    def cross_rank_links(self, specs: dict[str, StageSpec], nodes: dict[str, Node]) -> None:
+        """A link between stages placed on different ranks must stream, from disjoint rank sets,
+        N producers to M consumers with N a multiple of M (each consumer reads N/M producers)."""
+        for name, spec in specs.items():
+            for upstream in spec.after.values():
+                up = specs.get(upstream)
+                if up is None or up.ranks == spec.ranks:
+                    continue
+                mark = nodes[name].value.get("ranks", nodes[name]).mark
+                if up.ranks is None or spec.ranks is None:
+                    self.err(mark, f"stages '{upstream}' and '{name}' are linked, so give both 'ranks' "
+                                   f"(only one has them)")
+                    continue
+                link = spec.link or up.cls.default_link
+                if link != "stream":
+                    self.err(mark, f"'{upstream}' -> '{name}' crosses ranks and must stream "
+                                   f"(link: stream), not {link}")
+                elif set(up.ranks) & set(spec.ranks):
+                    self.err(mark, f"'{upstream}' (ranks {list(up.ranks)}) and '{name}' (ranks "
+                                   f"{list(spec.ranks)}) share some ranks: use the same ranks or disjoint ones")
+                elif len(up.ranks) % len(spec.ranks):
+                    self.err(mark, f"'{upstream}' on {len(up.ranks)} ranks cannot feed '{name}' on "
+                                   f"{len(spec.ranks)} evenly: the producer count must be a multiple "
+                                   f"of the consumer count")
 
     def choice(self, node: Node, key: str, allowed: Sequence[str]) -> str | None:
         if node.kind == "scalar" and isinstance(node.value, str) and node.value in allowed:

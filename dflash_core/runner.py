@@ -78,6 +78,8 @@ class Runner:
         self.resume_checkpoint = resume_checkpoint
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.placement: dict[str, tuple[int, ...]] = {}
+        """Stage -> ranks running it (set under torchrun)."""
 
     # ---------------------------------------------------------------- planning
     def selected(self) -> list[str]:
@@ -176,6 +178,7 @@ class Runner:
         if not dist.is_initialized():  # gloo for barriers, NCCL for CUDA tensors
             cuda = torch.cuda.is_available() and dist.is_nccl_available()
             dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+        self.placement, cross = self._place(dist.get_world_size())
         prefix = self.shared_prefix()
         results: dict[str, StageResult] = {}
         if self.rank == 0 and prefix:
@@ -191,20 +194,53 @@ class Runner:
         statuses = analyse(self.p, self.store, self.record)
         rest = [s for s in self.selected() if s not in prefix]
         external = self.external_inputs(statuses, rest)
-        results.update(_Supervisor(self, rest, external).run())
+        mine = [s for s in rest if self.rank in self.placement[s]]
+        results.update(_Supervisor(self, mine, external, cross).run())
         return results
+
+    def _place(self, world: int) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, str]]]:
+        """Ranks of every stage, the links that cross ranks, and their process groups (made on
+        every rank in the same order, as torch requires)."""
+        from dflash_core import remote
+
+        place = {s: spec.ranks or tuple(range(world)) for s, spec in self.p.stages.items()}
+        beyond = {s: list(r) for s, r in place.items() if max(r) >= world}
+        if beyond:
+            raise Refused(f"ranks beyond WORLD_SIZE={world}: " +
+                          ", ".join(f"{s} {r}" for s, r in beyond.items()))
+        cross = [(u, s) for s in self.p.order() for u in self.p.stages[s].after.values()
+                 if place[u] != place[s]]
+        sets = [r for r in place.values() if len(r) < world]
+        for u, s in cross:
+            for consumer, producers in remote.route(place[u], place[s]).items():
+                sets += [(min(p, consumer), max(p, consumer)) for p in producers]
+        remote.make_groups(sets)
+        return place, cross
+
+    def stage_rank(self, stage: str) -> tuple[int, int]:
+        """(rank among the stage's ranks, how many) — what the stage sees as rank/world_size."""
+        ranks = self.placement.get(stage)
+        if ranks is None:
+            return self.rank, self.world_size
+        return ranks.index(self.rank) if self.rank in ranks else 0, len(ranks)
 
     def _fire(self, name: str, **kwargs: Any) -> None:
         if self.plugins is not None:
             getattr(self.plugins.hook, name)(**kwargs)
 
 
+POLL_S_REMOTE = 0.2
+
+
 class _Supervisor:
     """One run: channels, workers, the event loop and shutdown."""
 
     def __init__(self, runner: Runner, chosen: list[str],
-                 external: dict[str, StageStatus]) -> None:
+                 external: dict[str, StageStatus], cross: list[tuple[str, str]] | None = None) -> None:
         self.r = runner
+        self.cross = [(u, d) for u, d in cross or [] if u in chosen or d in chosen]
+        """Links to or from another rank this process serves (remote.py threads)."""
+        self.remote_threads: dict[tuple[str, str], list[Any]] = {}
         self.p = runner.p
         self.chosen = chosen
         self.digests: dict[str, str] = {s: st.digest for s, st in external.items() if st.digest}
@@ -245,7 +281,32 @@ class _Supervisor:
                 closed = ctx.Event() if crosses else threading.Event()
                 channels[(upstream, stage)] = Channel(upstream, stage, q, self.r.queue_bound,
                                                       closed)
+        for upstream, stage in self.cross:  # the local end of a link to/from another rank
+            channels[(upstream, stage)] = Channel(upstream, stage, queue.Queue(self.r.queue_bound),
+                                                  self.r.queue_bound)
         return channels
+
+    def _start_remote(self) -> None:
+        """Sender threads for links leaving this rank, receiver threads for links arriving."""
+        from dflash_core import remote
+
+        me = self.r.rank
+        for up, down in self.cross:
+            ch = self.channels[(up, down)]
+            ch.stop_event = self.stop
+            routes = remote.route(self.r.placement[up], self.r.placement[down])
+            if up in self.chosen:  # we produce: send to our consumer rank
+                dst = next(c for c, ps in routes.items() if me in ps)
+                cuda_ok = self.p.stages[down].device.startswith("cuda")
+                t = remote.start_thread(remote.send_stream, ch, dst, remote.group((min(me, dst), max(me, dst))),
+                                        cuda_ok, name=f"send-{up}-to-rank{dst}")
+                ch.consumer_alive = t.is_alive
+            else:  # we consume: receive from our producer ranks, round robin
+                sources = [(p, remote.group((min(p, me), max(p, me)))) for p in routes[me]]
+                t = remote.start_thread(remote.receive_stream, sources, ch, self.p.stages[down].device,
+                                        name=f"recv-{up}-on-rank{me}")
+                ch.producer_alive = t.is_alive
+            self.remote_threads.setdefault((up, down), []).append(t)
 
     # ------------------------------------------------------------------ launch
     def _ready(self, stage: str) -> bool:
@@ -283,9 +344,10 @@ class _Supervisor:
         for d in (work_dir, cache_dir):
             if "://" not in d:
                 os.makedirs(d, exist_ok=True)
+        rank, world_size = self.r.stage_rank(stage)
         ctx = StageContext(stage=stage, config=spec.config, device=spec.device, run_dir=run_dir,
-                           work_dir=work_dir, cache_dir=cache_dir, rank=self.r.rank,
-                           world_size=self.r.world_size,
+                           work_dir=work_dir, cache_dir=cache_dir, rank=rank,
+                           world_size=world_size, ranks=self.r.placement.get(stage),
                            resume_state=self.r.resume_states.get(stage),
                            resume_checkpoint=self.r.resume_checkpoint,
                            pipeline=self._pipeline_view())
@@ -298,7 +360,8 @@ class _Supervisor:
 
     def _pipeline_view(self) -> dict[str, dict[str, Any]]:
         return {name: {"kind": spec.cls.kind, "impl": spec.impl,
-                       "params": semantic_params(self.p, name), "after": dict(spec.after)}
+                       "params": semantic_params(self.p, name), "after": dict(spec.after),
+                       "ranks": self.r.placement.get(name)}
                 for name, spec in self.p.stages.items()}
 
     def _cached(self, stage: str) -> bool:
@@ -349,6 +412,12 @@ class _Supervisor:
 
     def _wire_liveness(self, stage: str, worker: Any) -> None:
         for (up, down), ch in self.channels.items():
+            if (up, down) in self.remote_threads:
+                if down == stage:
+                    ch.consumer_alive = worker.alive
+                if up == stage:
+                    ch.producer_alive = worker.alive
+                continue
             if up == stage:
                 ch.producer_alive = worker.alive
             if down == stage:
@@ -357,6 +426,7 @@ class _Supervisor:
     # -------------------------------------------------------------- event loop
     def run(self) -> dict[str, StageResult]:
         pending = list(self.chosen)
+        self._start_remote()
         try:
             while True:
                 for stage in list(pending):
@@ -375,10 +445,23 @@ class _Supervisor:
                                            for (u, d), ch in self.channels.items()})
         except KeyboardInterrupt:
             self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
+        if not self.failures:
+            self._finish_sends()
         if self.failures:
             self._shutdown()
         self._reap()
         return self.results
+
+    def _finish_sends(self) -> None:
+        """Our stages are done, but items may still be on their way to other ranks: wait."""
+        for (up, down), threads in self.remote_threads.items():
+            if up not in self.chosen:
+                continue
+            for t in threads:
+                while t.is_alive():
+                    t.join(POLL_S_REMOTE)
+                    if self.stop.is_set():
+                        return
 
     def _drain(self, timeout: float) -> None:
         deadline = time.time() + timeout

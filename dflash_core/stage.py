@@ -89,6 +89,10 @@ class StageContext:
     for work a re-run may skip (verified downloads)."""
     rank: int = 0
     world_size: int = 1
+    """This stage's rank among the ranks that run it, and their number (torchrun)."""
+    ranks: tuple[int, ...] | None = None
+    """The global torchrun ranks running this stage (None = all): a stage that talks to its
+    replicas (gradient all-reduce) uses ``dflash_core.remote.group(ctx.ranks)``."""
     resume_state: dict[str, Any] | None = None
     """This stage's state from the latest checkpoint when the run is resumed, else None."""
     resume_checkpoint: str | None = None

@@ -35,6 +35,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128},
     "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    # no public model: small enough to try a multi-process layout on CPU in seconds
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
 }
 
 

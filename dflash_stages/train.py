@@ -98,7 +98,8 @@ class DFlashTrain(Stage):
         if header is None or header.get("kind") != "target":
             raise ValueError("train expects the extract stage's target header as its first item")
         trainer.setup(header)
-        yield from trainer.fit(rows)
+        # fed by several extract ranks (fan-in), each sends its own copy of the header
+        yield from trainer.fit(r for r in rows if r.get("kind") != "target")
 
 
 def metrics_path(ctx: StageContext) -> str:

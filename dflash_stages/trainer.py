@@ -70,10 +70,15 @@ class Trainer:
     def _init_distributed(self) -> None:
         import torch.distributed as dist
 
+        from dflash_core import remote
+
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        for p in self.model.parameters():  # identical start on every rank
-            dist.broadcast(p.data, src=0)
+        # the replicas of this stage: all ranks, or the drafter ranks of a fan-in layout
+        self.group = remote.group(self.ctx.ranks)
+        first = self.ctx.ranks[0] if self.ctx.ranks else 0
+        for p in self.model.parameters():  # identical start on every replica
+            dist.broadcast(p.data, src=first, group=self.group)
 
     def _open_tensorboard(self) -> None:
         if self.ctx.rank != 0 or "://" in self.ctx.run_dir:
@@ -105,8 +110,19 @@ class Trainer:
             return self.cfg.total_steps
         per_epoch, epochs = row.get("rows_per_epoch"), row.get("epochs")
         if per_epoch and epochs:
-            return max(1, int(per_epoch) * int(epochs) // self.cfg.rows_per_step)
+            return max(1, int(per_epoch) * int(epochs) * self.fan_in() // self.cfg.rows_per_step)
         return None
+
+    def fan_in(self) -> int:
+        """Producer ranks feeding each replica of this stage (N/M in an N -> M fan-in, else 1):
+        the rows per epoch a row reports are its producer rank's share."""
+        view = self.ctx.pipeline
+        upstream = (view.get(self.ctx.stage) or {}).get("after", {}).get("features")
+        producers = (view.get(upstream) or {}).get("ranks") if upstream else None
+        mine = self.ctx.ranks
+        if not producers or not mine or producers == mine:
+            return 1
+        return len(producers) // len(mine)
 
     def snapshot_every(self) -> int:
         if self.cfg.checkpoint_every:
@@ -118,6 +134,12 @@ class Trainer:
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         cfg, ctx = self.cfg, self.ctx
         every = self.snapshot_every()
+        fan_in, rows_done = self.fan_in(), self.step * cfg.rows_per_step
+        if fan_in > 1 and every and (every * cfg.rows_per_step) % fan_in:
+            raise ValueError(
+                f"{fan_in} producer ranks feed each drafter replica: checkpoints must fall where each "
+                f"has sent as many rows, so every_steps x rows_per_step ({every} x {cfg.rows_per_step}) "
+                f"must be a multiple of {fan_in}")
         window: list[dict[str, torch.Tensor]] = []
         micro, total = 0, None
         self.started, self.tokens_seen = now(), 0
@@ -131,7 +153,9 @@ class Trainer:
                 window.append(stats)
             if micro < cfg.rows_per_step:
                 continue
-            self.data_state = _row_state(row)
+            rows_done += cfg.rows_per_step
+            if rows_done % fan_in == 0:  # every producer rank has sent as many rows: one state fits all
+                self.data_state = _row_state(row)
             grad_norm, lr = self._optimizer_step(total)
             micro = 0
             self.step += 1
@@ -186,7 +210,7 @@ class Trainer:
 
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1).float() for g in grads])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.group)
             flat /= self.ctx.world_size
             offset = 0
             for p in params:

@@ -58,10 +58,12 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
 
 def print_plan(runner: Any) -> None:
     table = Table(title=f"plan for {runner.p.path} (run dir {runner.p.run_dir})")
-    for col in ("stage", "implementation", "action", "why"):
+    for col in ("stage", "implementation", "device", "ranks", "action", "why"):
         table.add_column(col)
     for entry in runner.plan():
-        table.add_row(entry.stage, runner.p.stages[entry.stage].impl, entry.action, entry.reason)
+        spec = runner.p.stages[entry.stage]
+        ranks = ",".join(map(str, spec.ranks)) if spec.ranks else "all"
+        table.add_row(entry.stage, spec.impl, spec.device, ranks, entry.action, entry.reason)
     console.print(table)
 
 
