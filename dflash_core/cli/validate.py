@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     for name in pipeline.order():
         spec = pipeline.stages[name]
         ups = ", ".join(f"{port}<-{u} ({pipeline.link(u, name)})" for port, u in spec.after.items())
-        console.print(f"  {name}: {spec.impl} on {spec.device} [{spec.executor}]"
+        ranks = f" ranks {','.join(map(str, spec.ranks))}" if spec.ranks else ""
+        console.print(f"  {name}: {spec.impl} on {spec.device} [{spec.executor}]{ranks}"
                       f"{'  ' + ups if ups else ''}")
     return EXIT_OK
