@@ -104,8 +104,6 @@ class Layout:
     link_busy: float | None = None
     """Fraction of time each drafter GPU's link is copying rows at the stages' rate; > 1 means
     the copy is not hidden and the layout is link-bound."""
-    runnable: bool = True
-    """Whether the engine can run it (fan-in: only where stages can be placed on ranks)."""
     how: str = ""
 
     @property
@@ -136,8 +134,6 @@ class Plan:
     recommended: Layout | None = None
     """The fastest of pairs / fan-in / colocated that fits (unknown memory counts as fitting);
     None when none fits."""
-    runnable_now: Layout | None = None
-    """When ``recommended`` cannot be run by the engine yet: the fastest fitting one that can."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def candidates(self) -> list[Layout]:
@@ -166,7 +162,7 @@ def _add(a: float | None, b: float) -> float | None:
     return None if a is None else a + b
 
 
-def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str, runnable: bool) -> Layout:
+def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str) -> Layout:
     """n target GPUs streaming into m drafter GPUs, each group working in parallel:
     min(n * rt, m * rd), capped by the drafter GPUs' links when the copy is not hidden."""
     t_side, d_side = n * inp.target_tok_s, m * inp.drafter_tok_s
@@ -183,7 +179,7 @@ def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str, ru
     memory = (("target", _add(inp.target_gib, inp.queue_gib)), ("drafter", inp.drafter_gib))
     return Layout(name=name, kind=kind, gpus=n + m, target_gpus=n, drafter_gpus=m, tokens_per_s=rate,
                   bound=bound, memory=memory, fits=_fits(memory, inp.gpu_gib), transfer_ms=transfer_ms,
-                  link_busy=link_busy, runnable=runnable, how=how)
+                  link_busy=link_busy, how=how)
 
 
 def colocated(inp: PlanInputs, gpus: int, name: str = "colocated", kind: str = "colocated") -> Layout:
@@ -206,20 +202,22 @@ def pairs(inp: PlanInputs, gpus: int) -> Layout | None:
         return None
     how = (f"torchrun --nproc_per_node {p}; extract on cuda:{{local_rank}}, train on cuda:{{local_rank+{p}}}"
            + ("; one GPU idle" if gpus % 2 else ""))
-    return streamed(inp, "pairs", "pairs", p, p, how, runnable=True)
+    return streamed(inp, "pairs", "pairs", p, p, how)
 
 
-def fan_in(inp: PlanInputs, n: int, m: int, runnable: bool = False) -> Layout:
-    """``runnable``: whether the engine can place stages on ranks (``ranks:`` in the pipeline file)."""
+def _ranks(first: int, count: int) -> str:
+    """Ranks ``first .. first + count - 1`` as the pipeline file writes them: ``[3]`` or ``"0-2"``."""
+    return f"[{first}]" if count == 1 else f'"{first}-{first + count - 1}"'
+
+
+def fan_in(inp: PlanInputs, n: int, m: int) -> Layout:
+    """Ranks 0..n-1 run pack and extract, ranks n..n+m-1 train and checkpoint (``ranks:`` in the
+    pipeline file, as ``pipelines/layouts_cpu/fan_in.yaml``)."""
     if n < m or m < 1 or n % m:
         raise ValueError(f"fan-in {n}→{m} is not valid: needs N >= M >= 1 and N a multiple of M")
-    g = n + m
-    producers = "0" if n == 1 else f'"0-{n - 1}"'
-    consumers = f"{n}" if m == 1 else f'"{n}-{g - 1}"'
-    how = (f"torchrun --nproc_per_node {g}; pack and extract with ranks: {producers}, train (and checkpoint) "
-           f"with ranks: {consumers}; every device cuda:{{local_rank}}" if runnable else
-           "not runnable with this engine: no N→M stream across ranks")
-    return streamed(inp, f"fan-in {n}→{m}", "fan_in", n, m, how, runnable=runnable)
+    how = (f"torchrun --nproc_per_node {n + m}; pack and extract with ranks: {_ranks(0, n)}, train and "
+           f"checkpoint with ranks: {_ranks(n, m)}; every device cuda:{{local_rank}}")
+    return streamed(inp, f"fan-in {n}→{m}", "fan_in", n, m, how)
 
 
 def _pick(layouts: list[Layout]) -> Layout | None:
@@ -231,26 +229,24 @@ def _pick(layouts: list[Layout]) -> Layout | None:
                                    ix[1].gib_per_gpu if ix[1].gib_per_gpu is not None else 0.0, ix[0]))[1]
 
 
-def plan(inp: PlanInputs, gpus: int, fan_in_runnable: bool = False) -> Plan:
-    """Every layout on ``gpus`` GPUs, and the recommendation. ``fan_in_runnable``: the engine can
-    stream N→M across ranks (``dflash-pipe plan`` checks for ``ranks:`` in the pipeline format)."""
+def plan(inp: PlanInputs, gpus: int) -> Plan:
+    """Every layout on ``gpus`` GPUs, and the recommendation."""
     if gpus < 1:
         raise ValueError("gpus must be >= 1")
     single = colocated(inp, 1, name="one GPU alone", kind="single")
     col = colocated(inp, gpus)
     valid, excluded = fan_in_splits(gpus)
-    splits = [fan_in(inp, n, m, fan_in_runnable) for n, m in valid]
+    splits = [fan_in(inp, n, m) for n, m in valid]
     splits.sort(key=lambda x: -x.tokens_per_s)  # stable: among equals the larger N comes first
     result = Plan(inputs=inp, gpus=gpus, single=single, colocated=col, pairs=pairs(inp, gpus),
                   fan_in=splits[0] if splits else None, fan_in_splits=tuple(splits),
                   fan_in_excluded=tuple(excluded))
     candidates = result.candidates()
     best = _pick(candidates)
-    now = None if best is None or best.runnable else _pick([x for x in candidates if x.runnable])
     notes = ["drafter replicas all-reduce gradients once per step: not counted (colocated pays it on every "
              "GPU's busy path, fan-in N→1 not at all; docs/multi_gpu.md)",
              f"colocated = back to back × {inp.overlap:g}: on one H200 the pipeline ran 1.08× (8B dims) and "
              "1.23× (32B dims) back to back (docs/benchmarks.md); --overlap F credits that"]
     if any(x.link_busy is not None and x.link_busy > 1 for x in candidates):
         notes.append("a feature copy takes longer than the time between rows: those layouts are link-bound")
-    return replace(result, recommended=best, runnable_now=now, notes=tuple(notes))
+    return replace(result, recommended=best, notes=tuple(notes))

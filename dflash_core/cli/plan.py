@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         err_console.print(f"error: {exc}")
         return EXIT_CONFIG
-    result = plan(inputs, gpus, fan_in_runnable=_fan_in_runnable())
+    result = plan(inputs, gpus)
     if args.json:
         print(json.dumps({"pipeline": str(pipeline.path), "gpus": gpus,
                           "measured": asdict(measured) if measured else None, "plan": asdict(result)}, indent=1))
@@ -131,13 +131,6 @@ def run(args: argparse.Namespace) -> int:
     report(result, pipeline.path, gpus_why, gpu_why, measured, given_rates=args.rates is not None,
            given_memory=args.memory is not None, k=k, hidden=hidden, elem=elem)
     return EXIT_OK
-
-
-def _fan_in_runnable() -> bool:
-    """Whether this engine can place stages on torchrun ranks (``ranks:``), which fan-in needs."""
-    from dflash_core import pipeline_file
-
-    return "ranks" in getattr(pipeline_file, "STAGE_KEYS", ())
 
 
 def _dims(extract_cfg: Any) -> tuple[int | None, int]:
@@ -251,7 +244,7 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
 
     table = Table(title=f"predicted on {result.gpus} GPUs")
     for col in ("layout", "GPUs", "tokens/s", "vs one GPU", "bound by", "GiB per GPU", "fits",
-                "feature copy", "runs today"):
+                "feature copy"):
         table.add_column(col, justify="right" if col in ("tokens/s", "vs one GPU") else "left")
     base = result.single.tokens_per_s
     for lay in (result.single, result.pairs, result.fan_in, result.colocated):
@@ -261,8 +254,7 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
         if lay is result.recommended:
             name += "  ← recommended"
         table.add_row(name, _gpus_cell(lay, result.gpus), _num(lay.tokens_per_s), f"{lay.tokens_per_s / base:.2f}×",
-                      lay.bound, _memory_cell(lay), _fits_cell(lay, inp.gpu_gib), _copy_cell(lay),
-                      "yes" if lay.runnable else "no")
+                      lay.bound, _memory_cell(lay), _fits_cell(lay, inp.gpu_gib), _copy_cell(lay))
     console.print(table)
     if result.pairs is None:
         console.print("pairs and fan-in need 2 GPUs or more")
@@ -280,10 +272,6 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
     else:
         console.print(f"recommended: {best.name} — {_num(best.tokens_per_s)} tokens/s on {best.gpus} GPUs, "
                       f"{best.tokens_per_s / base:.2f}× one GPU ({best.how})")
-        if result.runnable_now is not None:
-            now = result.runnable_now
-            console.print(f"  {best.name} cannot run with this engine (no N→M stream across ranks); "
-                          f"fastest runnable: {now.name} — {_num(now.tokens_per_s)} tokens/s ({now.how})")
     for note in result.notes:
         console.print(f"note: {note}")
     if inp.transfer_s is not None and T:

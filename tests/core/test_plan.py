@@ -3,6 +3,7 @@ with given rates (no measurement). The measuring path is tests/stages/test_plan.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -42,11 +43,8 @@ def test_colocated_that_does_not_fit_leaves_fan_in():
     assert p.colocated.fits is False and p.single.fits is False
     assert p.pairs.fits is True and p.fan_in.fits is True
     assert p.recommended is p.fan_in and p.recommended.tokens_per_s == 21600.0
-    # fan-in not runnable with this engine: the fastest runnable that fits is named too
-    assert p.runnable_now is p.pairs
-    p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, gpu_gib=75.0), 4, fan_in_runnable=True)
-    assert p.recommended is p.fan_in and p.runnable_now is None
-    assert 'extract with ranks: "0-2", train (and checkpoint) with ranks: 3' in p.fan_in.how
+    assert p.fan_in.how == ('torchrun --nproc_per_node 4; pack and extract with ranks: "0-2", train and '
+                            "checkpoint with ranks: [3]; every device cuda:{local_rank}")
     # nothing fits
     p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0, gpu_gib=50.0), 4)
     assert p.recommended is None
@@ -140,6 +138,29 @@ def test_cli_with_given_rates_prints_every_layout_and_the_recommendation(cli, wr
     out = json.loads(res.out)
     assert out["plan"]["pairs"]["tokens_per_s"] == 14400.0 and out["measured"] is None
     assert out["plan"]["recommended"]["name"] == "colocated"
+
+
+RANKS = re.compile(r"pack and extract with ranks: (\S+), train and checkpoint with ranks: (\S+);")
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 6, 8])
+def test_fan_in_ranks_are_what_the_pipeline_file_accepts(cli, write_pipeline, gpus):
+    """Every split's printed ``ranks:`` go into a pipeline file as they are, and it validates."""
+    for lay in plan(PlanInputs(RT, RD), gpus).fan_in_splits:
+        producers, consumers = RANKS.search(lay.how).groups()
+        assert f"--nproc_per_node {gpus};" in lay.how
+        path = write_pipeline(f"""
+            stages:
+              pack: {{uses: "pack:random", ranks: {producers}, params: {{rows: 4, tokens_per_row: 64}}}}
+              extract: {{uses: hf_hooks, after: pack, ranks: {producers},
+                         params: {{model: "random:tiny", layers: [1]}}}}
+              train: {{uses: dflash, after: extract, ranks: {consumers}, params: {{num_layers: 1}}}}
+              checkpoint: {{uses: fsspec, after: train, ranks: {consumers}}}
+        """, name=f"fan_in_{lay.target_gpus}_{lay.drafter_gpus}.yaml")
+        res = cli("validate", path)
+        assert res.code == 0, (lay.how, res.text)
+    assert RANKS.search(plan(PlanInputs(RT, RD), 8).fan_in.how).groups() == ('"0-5"', '"6-7"')
+    assert RANKS.search(plan(PlanInputs(RT, RD), 2).fan_in.how).groups() == ("[0]", "[1]")
 
 
 def test_cli_refuses_what_it_cannot_measure(cli, write_pipeline):
