@@ -67,6 +67,11 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+def say(msg: str) -> None:
+    """Progress on stderr as each part finishes, so a run cut short by a time limit still has figures."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def target_flops(model: torch.nn.Module, lengths: list[int], top_layer: int) -> float:
     """Forward FLOPs up to ``top_layer`` (the extract stops there): 2·params·T + attention."""
     cfg = model.config
@@ -148,10 +153,13 @@ def main() -> None:
     first_feats: dict[str, torch.Tensor] = {}
     for impl in variants:
         use_attn(impl)
+        say(f"target forward ({impl}): first row...")
         fwd = [timed(lambda r=r: forward(r), dev) for r in rows]
         fwd_s = statistics.median(fwd[args.warmup:])
         res["target"][impl] = {"first_s": fwd[0], "ms": fwd_s * 1e3, "tok_s": args.tokens / fwd_s,
                                "tflops": tf / fwd_s / 1e12}
+        say(f"target forward ({impl}): first {fwd[0]:.1f} s, then {fwd_s * 1e3:.1f} ms/row = "
+            f"{args.tokens / fwd_s:,.0f} tok/s, {tf / fwd_s / 1e12:.1f} TFLOP/s")
         first_feats[impl] = forward(rows[0])
     if len(variants) > 1:  # the same features either way (bf16 rounding aside)
         a, b = (first_feats[v].float() for v in variants)
@@ -200,6 +208,8 @@ def main() -> None:
     b2b = [timed(lambda r=r: step(r, forward(r)), dev) for r in rows]
     b2b_s = statistics.median(b2b[args.warmup:])
     res.update(back_to_back_ms=b2b_s * 1e3, back_to_back_tok_s=args.tokens / b2b_s)
+    say(f"drafter step {step_s * 1e3:.1f} ms (first {first:.1f} s); back to back {b2b_s * 1e3:.1f} ms/row; "
+        "now the pipeline...")
     if dev.type == "cuda":
         res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
     trainer = target = cap = embed = head = header = feats = None  # free GPU memory for the pipeline run
