@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from dflash_core.drafter import read_export_config
-    from dflash_stages.eval_report import render_table, write_json
+    from dflash_core.artifacts import write_json
+    from dflash_stages.eval_report import clean_json, render_table
     from dflash_stages.evaluate import evaluate_export
 
     console = Console(highlight=False)
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"benchmark": "quality", "wall_s": round(wall, 1), **{k: report.get(k) for k in (
         "target", "dtype", "num_prompts", "max_new_tokens", "tau", "tau_ngram", "tau_sim", "gap", "gap_flag",
         "lossless", "training", "timing")}, "device": device, "report": report}
-    path = write_json(summary, os.path.join(out, "quality.json"))
+    path = os.path.join(out, "quality.json")
+    write_json(path, clean_json(summary))
     console.print(f"wrote {path} and {report.get('files', {}).get('png')}")
     return 0 if report["lossless"] else 1
 

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Mapping, Sequence
+
+from dflash_core.artifacts import write_json
 
 
 def _num(x: Any, fmt: str = "{:.2f}") -> str:
@@ -15,25 +16,15 @@ def _num(x: Any, fmt: str = "{:.2f}") -> str:
     return fmt.format(x)
 
 
-def _clean(obj: Any) -> Any:
+def clean_json(obj: Any) -> Any:
     """JSON-safe: NaN/inf -> None (json.dumps would write invalid NaN)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): clean_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [clean_json(v) for v in obj]
     return obj
-
-
-def write_json(report: Mapping[str, Any], path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_clean(report), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
 
 
 def write_outputs(report: dict[str, Any], out_dir: str, metrics: Sequence[Mapping[str, Any]] | None = None,
@@ -44,7 +35,7 @@ def write_outputs(report: dict[str, Any], out_dir: str, metrics: Sequence[Mappin
     if plot:
         files["png"] = plot_report(report, os.path.join(out_dir, "report.png"), metrics)
     report["files"] = files
-    write_json(report, files["json"])
+    write_json(files["json"], clean_json(report))
     return files
 
 

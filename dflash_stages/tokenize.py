@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
 from dflash_core.stage import Stage, StageContext
-from dflash_stages.tokenize_output import (ShardWriter, check_invariant, join, merge, new_stats,
-                                           stats_table, write_json)
+from dflash_core.artifacts import write_json
+from dflash_stages.tokenize_output import ShardWriter, check_invariant, join, merge, new_stats, stats_table
 
 __all__ = ["ChatTemplateTokenize", "TokenizeConfig", "stats_table"]
 
@@ -161,7 +161,7 @@ class ChatTemplateTokenize(Stage):
             if pool is not None:
                 pool.shutdown(wait=not stopped, cancel_futures=True)
         check_invariant(stats)
-        write_json(fs, join(root, "stats.json"), stats)
+        write_json(join(ctx.work_dir, "stats.json"), stats)
         ctx.summary.update(stats)
         ctx.logger.info("tokenize: %d records -> %d samples (%d filtered, %d quarantined), "
                         "%d tokens, %d supervised", stats["records_in"], stats["samples_out"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -129,12 +128,6 @@ def check_invariant(stats: dict) -> None:
         raise RuntimeError(
             f"tokenize: records in ({stats['records_in']}) != samples out ({stats['samples_out']})"
             f" + filtered ({stats['filtered_total']}) + quarantined ({stats['quarantined_total']})")
-
-
-def write_json(fs: Any, path: str, obj: Any) -> None:
-    with fs.open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def stats_table(stats: dict) -> Any:
