@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join, read_json, write_json
 from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
+from dflash_core.retry import call_with_retries
 
 
 @dataclass
@@ -184,16 +184,8 @@ def upload(src: str, dest: str, cfg: CheckpointConfig, ctx: StageContext) -> Non
 
 
 def _retry(fn: Any, cfg: CheckpointConfig, ctx: StageContext) -> None:
-    for attempt in range(cfg.retries + 1):
-        try:
-            fn()
-            return
-        except (OSError, TimeoutError, ConnectionError) as exc:
-            if attempt == cfg.retries:
-                raise
-            delay = cfg.backoff * 2 ** attempt
-            ctx.logger.warning("upload failed (%s); retry %d in %.1fs", type(exc).__name__,
-                               attempt + 1, delay)
-            ctx.summary["upload_retries"] = ctx.summary.get("upload_retries", 0) + 1
-            time.sleep(delay)
+    def counted(attempt: int, exc: BaseException, delay: float) -> None:
+        ctx.logger.warning("upload failed (%s); retry %d in %.1fs", type(exc).__name__, attempt, delay)
+        ctx.summary["upload_retries"] = ctx.summary.get("upload_retries", 0) + 1
 
+    call_with_retries(fn, retries=cfg.retries, backoff=cfg.backoff, on_retry=counted)

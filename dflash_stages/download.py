@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import posixpath
-import random
 import re
 import threading
 import time
@@ -29,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from dflash_core.retry import call_with_retries, http_status, is_permanent
 from dflash_core.stage import Stage, StageContext
 
 _SECRET_KEYS = ("key", "secret", "token", "password", "username", "aws_access_key_id",
@@ -112,36 +112,11 @@ def _redact(text: str, options: Mapping[str, Any]) -> str:
     return " ".join(text.split())
 
 
-def _http_status(exc: BaseException) -> int | None:
-    """HTTP status of a botocore ClientError found on ``exc`` or its causes."""
-    seen = 0
-    e: BaseException | None = exc
-    while e is not None and seen < 5:
-        resp = getattr(e, "response", None)
-        if isinstance(resp, Mapping):
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status:
-                return int(status)
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return None
-
-
 def _is_permanent(exc: BaseException) -> bool:
-    if isinstance(exc, (DownloadError, FileNotFoundError, PermissionError, IsADirectoryError,
-                        NotADirectoryError, ValueError, TypeError, KeyError, AttributeError,
-                        NotImplementedError, ImportError)):
+    """Our own errors are final; a verification failure (short read, checksum) is worth a retry."""
+    if isinstance(exc, DownloadError):
         return True
-    name = type(exc).__name__
-    if name in ("NoCredentialsError", "PartialCredentialsError", "NoRegionError",
-                "ParamValidationError", "InvalidS3AddressingStyleError"):
-        return True
-    if isinstance(exc, _VerifyError):
-        return False
-    status = _http_status(exc)
-    if status is not None and 400 <= status < 500 and status not in (408, 429):
-        return True
-    return False
+    return not isinstance(exc, _VerifyError) and is_permanent(exc)
 
 
 class _Fetcher:
@@ -185,21 +160,14 @@ class _Fetcher:
 
     # -- retries --------------------------------------------------------------------------------
     def call(self, what: str, fn: Any) -> Any:
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if _is_permanent(exc) or attempt >= self.cfg.retries or self._stop.is_set():
-                    raise
-                attempt += 1
-                with self._lock:
-                    self.retries += 1
-                delay = min(60.0, self.cfg.backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
-                self.logger.debug("retry %d/%d of %s after %s: %s", attempt, self.cfg.retries,
-                                  what, type(exc).__name__,
-                                  _redact(str(exc), self.cfg.storage_options))
-                time.sleep(delay)
+        def counted(attempt: int, exc: BaseException, _delay: float) -> None:
+            with self._lock:
+                self.retries += 1
+            self.logger.debug("retry %d/%d of %s after %s: %s", attempt, self.cfg.retries, what,
+                              type(exc).__name__, _redact(str(exc), self.cfg.storage_options))
+
+        return call_with_retries(fn, retries=self.cfg.retries, backoff=self.cfg.backoff,
+                                 permanent=_is_permanent, stop=self._stop.is_set, on_retry=counted)
 
     # -- cache layout -----------------------------------------------------------------------------
     def cache_path(self, obj: _Obj) -> str:
@@ -475,7 +443,7 @@ class FsspecDownload(Stage):
         if name in ("NoCredentialsError", "PartialCredentialsError"):
             return (f"no usable credentials for {what}: {msg} (set storage_options key/secret, "
                     f"AWS_* environment variables or a profile; anon: true for public buckets)")
-        if isinstance(exc, PermissionError) or _http_status(exc) == 403:
+        if isinstance(exc, PermissionError) or http_status(exc) == 403:
             return (f"access denied for {what}: {msg} (check the credentials: storage_options "
                     f"key/secret, AWS_* environment variables or profile)")
         if isinstance(exc, FileNotFoundError):
