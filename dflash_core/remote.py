@@ -48,6 +48,11 @@ def group(ranks: tuple[int, ...] | None) -> Any:
     return _GROUPS[ranks]
 
 
+def pair(a: int, b: int) -> tuple[int, int]:
+    """The rank set of the process group that links ranks ``a`` and ``b`` (either order)."""
+    return (min(a, b), max(a, b))
+
+
 def route(producers: tuple[int, ...], consumers: tuple[int, ...]) -> dict[int, list[int]]:
     """consumer rank -> its producer ranks (producer i of N -> consumer i mod M)."""
     out: dict[int, list[int]] = {c: [] for c in consumers}

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_core.artifacts import ArtifactStore, join
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
-from dflash_core.links import Channel, close_all, fan_out
+from dflash_core.links import POLL_S, Channel, close_all, fan_out
 from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
                                   semantic_params, stage_key)
@@ -213,7 +213,7 @@ class Runner:
         sets = [r for r in place.values() if len(r) < world]
         for u, s in cross:
             for consumer, producers in remote.route(place[u], place[s]).items():
-                sets += [(min(p, consumer), max(p, consumer)) for p in producers]
+                sets += [remote.pair(p, consumer) for p in producers]
         remote.make_groups(sets)
         return place, cross
 
@@ -229,9 +229,6 @@ class Runner:
             getattr(self.plugins.hook, name)(**kwargs)
 
 
-POLL_S_REMOTE = 0.2
-
-
 class _Supervisor:
     """One run: channels, workers, the event loop and shutdown."""
 
@@ -240,7 +237,7 @@ class _Supervisor:
         self.r = runner
         self.cross = [(u, d) for u, d in cross or [] if u in chosen or d in chosen]
         """Links to or from another rank this process serves (remote.py threads)."""
-        self.remote_threads: dict[tuple[str, str], list[Any]] = {}
+        self.remote_threads: dict[tuple[str, str], threading.Thread] = {}
         self.p = runner.p
         self.chosen = chosen
         self.digests: dict[str, str] = {s: st.digest for s, st in external.items() if st.digest}
@@ -298,15 +295,15 @@ class _Supervisor:
             if up in self.chosen:  # we produce: send to our consumer rank
                 dst = next(c for c, ps in routes.items() if me in ps)
                 cuda_ok = self.p.stages[down].device.startswith("cuda")
-                t = remote.start_thread(remote.send_stream, ch, dst, remote.group((min(me, dst), max(me, dst))),
+                t = remote.start_thread(remote.send_stream, ch, dst, remote.group(remote.pair(me, dst)),
                                         cuda_ok, name=f"send-{up}-to-rank{dst}")
                 ch.consumer_alive = t.is_alive
             else:  # we consume: receive from our producer ranks, round robin
-                sources = [(p, remote.group((min(p, me), max(p, me)))) for p in routes[me]]
+                sources = [(p, remote.group(remote.pair(p, me))) for p in routes[me]]
                 t = remote.start_thread(remote.receive_stream, sources, ch, self.p.stages[down].device,
                                         name=f"recv-{up}-on-rank{me}")
                 ch.producer_alive = t.is_alive
-            self.remote_threads.setdefault((up, down), []).append(t)
+            self.remote_threads[(up, down)] = t
 
     # ------------------------------------------------------------------ launch
     def _ready(self, stage: str) -> bool:
@@ -412,12 +409,6 @@ class _Supervisor:
 
     def _wire_liveness(self, stage: str, worker: Any) -> None:
         for (up, down), ch in self.channels.items():
-            if (up, down) in self.remote_threads:
-                if down == stage:
-                    ch.consumer_alive = worker.alive
-                if up == stage:
-                    ch.producer_alive = worker.alive
-                continue
             if up == stage:
                 ch.producer_alive = worker.alive
             if down == stage:
@@ -454,14 +445,11 @@ class _Supervisor:
 
     def _finish_sends(self) -> None:
         """Our stages are done, but items may still be on their way to other ranks: wait."""
-        for (up, down), threads in self.remote_threads.items():
-            if up not in self.chosen:
-                continue
-            for t in threads:
-                while t.is_alive():
-                    t.join(POLL_S_REMOTE)
-                    if self.stop.is_set():
-                        return
+        for (up, _), t in self.remote_threads.items():
+            while up in self.chosen and t.is_alive():
+                t.join(POLL_S)
+                if self.stop.is_set():
+                    return
 
     def _drain(self, timeout: float) -> None:
         deadline = time.time() + timeout

@@ -179,7 +179,7 @@ class Trainer:
             self.tb.close()
         yield self.snapshot(final=True)
 
-    def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, float] | None:
+    def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, torch.Tensor] | None:
         cfg = self.cfg
         features = _borrow(row["features"], self.device)
         loss_mask = torch.as_tensor(row["loss_mask"]).to(torch.long)
