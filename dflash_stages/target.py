@@ -148,6 +148,15 @@ def embeddings_and_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
 
+def target_header(name: str, model: nn.Module, layer_ids: Sequence[int], tokenizer: Any) -> dict[str, Any]:
+    """The first item of extract's stream: what the trainer needs of the target (its config, the
+    layers read, the frozen embedding and LM head, the tokenizer's size and special ids)."""
+    embed, head = embeddings_and_head(model)
+    return {"kind": "target", "model": name, "config": model.config.to_dict(),
+            "target_layer_ids": list(layer_ids), "embed_weight": embed, "lm_head_weight": head,
+            "tokenizer_len": len(tokenizer), "all_special_ids": list(getattr(tokenizer, "all_special_ids", []))}
+
+
 class _Enough(Exception):
     """Raised by the last hook needed, so layers above it (and the LM head) never run."""
 
@@ -225,13 +234,9 @@ def packed_attention_mask(doc_lengths: Sequence[int], total: int, dtype: torch.d
     """Additive 4D mask [1, 1, T, T]: causal within each document, nothing across documents
     or into padding (padding rows see themselves so softmax stays finite); with
     ``sliding_window``, also nothing ``sliding_window`` or more tokens back (sliding layers)."""
-    doc = torch.full((total,), -1, dtype=torch.long, device=device)
-    start = 0
-    for i, n in enumerate(doc_lengths):
-        doc[start:start + n] = i
-        start += n
-    pad = doc < 0
-    doc = torch.where(pad, -2 - torch.arange(total, device=device), doc)  # padding: own group
+    from dflash_stages.packed_attention import document_ids
+
+    doc = document_ids(doc_lengths, total, device)  # padding: a group of its own per token
     idx = torch.arange(total, device=device)
     allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
     if sliding_window is not None:
