@@ -176,10 +176,8 @@ def main() -> None:
         report(res, args)
         return
 
-    from dflash_stages.target import embeddings_and_head
-    embed, head = embeddings_and_head(target)
-    header = {"kind": "target", "model": model_ref, "config": target.config.to_dict(), "target_layer_ids": ids,
-              "embed_weight": embed, "lm_head_weight": head, "tokenizer_len": len(tok), "all_special_ids": []}
+    from dflash_stages.target import target_header
+    header = target_header(model_ref, target, ids, tok)
     tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name)
     work = tempfile.mkdtemp()
     trainer = Trainer(tcfg, StageContext(stage="train", config=tcfg, device=args.device, run_dir=work,
@@ -212,7 +210,7 @@ def main() -> None:
         "now the pipeline...")
     if dev.type == "cuda":
         res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    trainer = target = cap = embed = head = header = feats = None  # free GPU memory for the pipeline run
+    trainer = target = cap = header = feats = None  # free GPU memory for the pipeline run
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

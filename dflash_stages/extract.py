@@ -32,6 +32,14 @@ class ExtractConfig:
         "help": "auto = packed_flex on CUDA (flex_attention, document-causal BlockMask), sdpa "
                 "elsewhere; or sdpa / eager (4D mask) / packed_flex"})
 
+    def layer_ids(self, n_layers: int) -> list[int]:
+        """The target layers to read: DESIGN's rule for ``auto``, else as given."""
+        from dflash_core.drafter import default_target_layer_ids
+
+        if self.layers == "auto":
+            return default_target_layer_ids(n_layers, self.num_features)
+        return [int(t) for t in self.layers]  # type: ignore[union-attr]
+
     def __post_init__(self) -> None:
         from dflash_stages.packed_attention import IMPLEMENTATIONS
 
@@ -51,16 +59,8 @@ class HFHooksExtract(Stage):
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
 
-        from dflash_core.drafter import default_target_layer_ids
-        from dflash_stages.packed_attention import (
-            resolve_attn_implementation,
-            row_attention_mask,
-        )
-        from dflash_stages.target import (
-            FeatureCapture,
-            embeddings_and_head,
-            load_target,
-        )
+        from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
+        from dflash_stages.target import FeatureCapture, load_target, target_header
 
         cfg = self.config
         device = torch.device(ctx.device)
@@ -69,16 +69,12 @@ class HFHooksExtract(Stage):
         attn = resolve_attn_implementation(cfg.attn_implementation, device)
         model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
         n_layers = model.config.num_hidden_layers
-        ids = (default_target_layer_ids(n_layers, cfg.num_features) if cfg.layers == "auto"
-               else [int(t) for t in cfg.layers])  # type: ignore[union-attr]
+        ids = cfg.layer_ids(n_layers)
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
-        embed, head = embeddings_and_head(model)
         dtype = next(model.parameters()).dtype
         ctx.logger.info("target %s: %d layers, features from %s, attention %s", cfg.model, n_layers,
                         ids, attn)
-        yield {"kind": "target", "model": cfg.model, "config": model.config.to_dict(),
-               "target_layer_ids": ids, "embed_weight": embed, "lm_head_weight": head,
-               "tokenizer_len": len(tokenizer), "all_special_ids": list(tokenizer.all_special_ids)}
+        yield target_header(cfg.model, model, ids, tokenizer)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         rows = tokens = 0
         for row in inputs["rows"]:

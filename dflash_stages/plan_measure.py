@@ -104,11 +104,10 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     import torch
 
     from dflash_core import StageContext
-    from dflash_core.drafter import default_target_layer_ids
     from dflash_stages import compile_cache
     from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
     from dflash_stages.random_rows import RandomRowsConfig, random_row
-    from dflash_stages.target import FeatureCapture, embeddings_and_head, load_target
+    from dflash_stages.target import FeatureCapture, load_target, target_header
     from dflash_stages.trainer import Trainer
 
     dev = torch.device(device)
@@ -141,8 +140,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     model, tok = load_target(extract_cfg.model, str(dev), extract_cfg.dtype, attn)
     load_s = time.perf_counter() - t0
     n_layers = model.config.num_hidden_layers
-    ids = (default_target_layer_ids(n_layers, extract_cfg.num_features) if extract_cfg.layers == "auto"
-           else [int(t) for t in extract_cfg.layers])
+    ids = extract_cfg.layer_ids(n_layers)
     capture = FeatureCapture(model, ids, last_hidden=extract_cfg.last_hidden)
     dtype = next(model.parameters()).dtype
     vocab = min(int(model.config.vocab_size) - 1, len(tok))  # real ids: never the drafter's mask row
@@ -167,13 +165,11 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     featured = forward(batch[0])
     hidden = int(model.config.hidden_size)
     feature_rows = int(featured["features"].shape[-1]) // hidden + (featured["last_hidden"] is not None)
-    embed, head = embeddings_and_head(model)
+    header = target_header(extract_cfg.model, model, ids, tok)
+    embed, head = header["embed_weight"], header["lm_head_weight"]
     tied = head is embed or head.data_ptr() == embed.data_ptr()
-    embed_cpu = embed.detach().to("cpu", copy=True)
-    head_cpu = embed_cpu if tied else head.detach().to("cpu", copy=True)
-    header = {"kind": "target", "model": extract_cfg.model, "config": model.config.to_dict(),
-              "target_layer_ids": ids, "embed_weight": embed_cpu, "lm_head_weight": head_cpu,
-              "tokenizer_len": len(tok), "all_special_ids": list(getattr(tok, "all_special_ids", []))}
+    header["embed_weight"] = embed.detach().to("cpu", copy=True)
+    header["lm_head_weight"] = header["embed_weight"] if tied else head.detach().to("cpu", copy=True)
     model = capture = embed = head = None  # free the target (forward() is not called again)
     gc.collect()
     if cuda:
