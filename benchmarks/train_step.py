@@ -59,30 +59,39 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory for a JSON result file")
 
 
+def make_row(T: int, docs: int, vocab: int, seed: int) -> dict[str, Any]:
+    """The benchmark row: ``docs`` equal documents, the first 10% of each a prompt (unsupervised)."""
+    g = torch.Generator().manual_seed(seed)
+    base, rest = divmod(T, docs)
+    lengths = [base + (i < rest) for i in range(docs)]
+    loss_mask = torch.ones(T, dtype=torch.long)
+    start = 0
+    for n in lengths:
+        loss_mask[start:start + n // 10] = 0
+        start += n
+    return dict(lengths=lengths, loss_mask=loss_mask, generator=g,
+                position_ids=torch.cat([torch.arange(n) for n in lengths]),
+                input_ids=torch.randint(0, vocab - 1, (T,), generator=g))
+
+
 def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> dict[str, Any]:
     """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised)."""
     dev = torch.device(args.device)
     cfg = TINY if args.tiny else QWEN3_8B
     T = args.tokens or (256 if args.tiny else 8192)
     N = args.anchors or (16 if args.tiny else 512)
-    g = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     V, H = cfg["vocab_size"], cfg["hidden_size"]
+    row = make_row(T, args.docs, V, args.seed)
+    g = row["generator"]
     model = DFlashDrafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=V - 1,
-                          attn_backend=backend).to(device=dev, dtype=dtype)
+                          attn_backend=backend, flex_kernel_options=getattr(args, "flex_options", None),
+                          ).to(device=dev, dtype=dtype)
     k = len(model.config.target_layer_ids)
-    base, rest = divmod(T, args.docs)
-    lengths = [base + (i < rest) for i in range(args.docs)]
-    loss_mask = torch.ones(T, dtype=torch.long)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    start = 0
-    for n in lengths:  # first 10% of each document is its prompt
-        loss_mask[start:start + n // 10] = 0
-        start += n
     return dict(
-        model=model, cfg=model.config, T=T, N=N, lengths=lengths, device=dev,
-        input_ids=torch.randint(0, V - 1, (T,), generator=g).to(dev),
-        loss_mask=loss_mask.to(dev), position_ids=position_ids.to(dev),
+        model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
+        input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev),
+        position_ids=row["position_ids"].to(dev),
         features=torch.randn(T, k * H, generator=g).to(dev, dtype),
         embed=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
         lm_head=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
@@ -177,7 +186,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
                 tflop_per_s=tflops, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps)
+                steps=args.steps, flex_options=args.flex_options)
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
@@ -193,7 +202,7 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
     """torch.profiler over ``n`` steps: top kernels by GPU time, time per kernel kind, GPU idle share."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         sync(dev)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -216,10 +225,50 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
     lines += [f"{ms:8.2f} {ms / busy:6.1%} {calls:6.0f}  {name[:110]}" for ms, calls, name in rows[:25]]
     lines += ["", f"{'ms/step':>8} {'share':>6}  kind"]
     lines += [f"{ms:8.2f} {ms / busy:6.1%}  {kd}" for kd, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    if dev.type == "cuda":
+        lines += ["", *matmul_table(prof, dev, n)]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
     log(text)
+
+
+def matmul_table(prof: Any, dev: torch.device, n: int) -> list[str]:
+    """GPU time of the step's matrix products by shape, next to the same product timed alone on
+    contiguous bf16 inputs: a shape far slower in the step than alone points at its layout."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm") or not e.input_shapes:
+            continue
+        a, b = e.input_shapes[-2:] if e.key == "aten::addmm" else e.input_shapes[:2]
+        if len(a) != 2 or len(b) != 2:
+            continue
+        rows.append((e.device_time_total / 1e3 / n, e.count / n, (a[0], a[1], b[1])))
+    rows.sort(reverse=True)
+    lines = [f"{'ms/step':>8} {'calls':>6} {'alone ms':>9} {'TFLOP/s':>8}  M x K x N (matrix products)"]
+    total = alone_total = 0.0
+    for ms, calls, (m, k, nn) in rows:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(k, nn, device=dev, dtype=torch.bfloat16)
+        alone = median_ms(lambda: x @ w, dev) * calls
+        total, alone_total = total + ms, alone_total + alone
+        lines.append(f"{ms:8.2f} {calls:6.1f} {alone:9.2f} {2 * m * k * nn * calls / ms / 1e9:8.0f}  {m} x {k} x {nn}")
+    lines.append(f"{total:8.2f} {'':6} {alone_total:9.2f} {'':8}  all")
+    return lines
+
+
+def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int = 5, reps: int = 20) -> float:
+    """Median milliseconds of fn() by CUDA events."""
+    times = []
+    for i in range(warmup + reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def main() -> int:
@@ -232,6 +281,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
     p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")
+    p.add_argument("--flex-options", type=json.loads, default=None,
+                   help='flex attention kernel_options as JSON, e.g. \'{"bwd_num_warps": 4}\' (see flex_tune.py)')
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="portable compile cache directory: loaded before the first step, saved after it")
     args = p.parse_args()

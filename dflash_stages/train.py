@@ -47,6 +47,9 @@ class TrainConfig:
         "help": "torch.compile the draft layers and the loss: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
         "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
+    flex_kernel_options: dict[str, Any] | None = field(default=None, metadata={
+        "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1); null = torch's "
+                "defaults. See benchmarks/flex_tune.py"})
     pad_anchors: bool = field(default=True, metadata={
         "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={

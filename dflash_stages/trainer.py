@@ -41,7 +41,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = DFlashDrafter(header["config"], mask_token_id=mask_id, num_layers=cfg.num_layers,
                               block_size=cfg.block_size, target_layer_ids=header["target_layer_ids"],
-                              attn_backend=cfg.attn_backend)
+                              attn_backend=cfg.attn_backend, flex_kernel_options=cfg.flex_kernel_options)
         self.model = model.to(device=self.device, dtype=self.dtype)
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)

@@ -15,6 +15,19 @@ import torch
 from dflash_core.drafter.mask import BlockLayout
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor bound for a GPU goes through pinned memory.
+
+    A copy from ordinary (pageable) host memory makes the host wait until the GPU has finished
+    everything queued before it, so the next step could not be launched while this one runs.
+    From pinned memory the copy is queued like a kernel and the host goes on (torch keeps the
+    pinned block alive until the copy is done)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def doc_ids_from_lengths(doc_lengths: Sequence[int] | torch.Tensor, total: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
     """[total] document index per row; rows after the last document are padding (-1).
@@ -27,7 +40,7 @@ def doc_ids_from_lengths(doc_lengths: Sequence[int] | torch.Tensor, total: int,
         raise ValueError(f"doc_lengths sum to {used} > row length {total}")
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     ids = torch.cat([ids, ids.new_full((total - used,), -1)])
-    return ids.to(device, non_blocking=True) if device is not None else ids
+    return to_device(ids, device) if device is not None else ids
 
 
 def resolve_doc_ids(total: int, doc_lengths: Sequence[int] | torch.Tensor | None,
@@ -36,7 +49,7 @@ def resolve_doc_ids(total: int, doc_lengths: Sequence[int] | torch.Tensor | None
     if (doc_lengths is None) == (doc_ids is None):
         raise ValueError("pass exactly one of doc_lengths or doc_ids")
     if doc_ids is not None:
-        return doc_ids.to(device=device, dtype=torch.long)
+        return to_device(doc_ids.long(), device)
     return doc_ids_from_lengths(doc_lengths, total, device)
 
 

@@ -33,16 +33,19 @@ def _flex_fn(compiled: bool) -> Any:
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend: str) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend: str,
+           kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """q [Q, nh, d], k/v [KV, nkv, d] -> [Q, nh, d].
 
-    ``mask`` is a BlockMask for "flex" or a [Q, KV] bool tensor (True = attend) for "sdpa".
+    ``mask`` is a BlockMask for "flex" or a [Q, KV] bool tensor (True = attend) for "sdpa";
+    ``kernel_options`` go to flex_attention (its Triton block sizes), unused by SDPA.
     """
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if backend == "flex":
         # inside a compiled region (compiled draft layers) the plain function is traced in place
         compiled = q.device.type == "cuda" and not torch.compiler.is_compiling()
-        out = _flex_fn(compiled)(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1])
+        out = _flex_fn(compiled)(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1],
+                                 kernel_options=kernel_options)
     else:
         rep = qh.shape[1] // kh.shape[1]
         if rep > 1:  # explicit GQA expansion keeps SDPA on its masked fused kernels on every torch version

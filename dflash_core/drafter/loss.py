@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dflash_core.drafter.anchors import block_labels, build_blocks, pad_anchors, resolve_doc_ids, slot_weights
+from dflash_core.drafter.anchors import (block_labels, build_blocks, pad_anchors, resolve_doc_ids, slot_weights,
+                                         to_device)
 from dflash_core.drafter.config import default_gamma
 
 TARGETS = ("data", "target_argmax", "kl")
@@ -175,11 +176,11 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
         raise ValueError(f"target={target!r} needs target_hidden (the target's last hidden state)")
     B = model.block_size
     dev = features.device
-    input_ids, loss_mask, position_ids = (t.to(dev) for t in (input_ids, loss_mask, position_ids))
+    input_ids, loss_mask, position_ids = (to_device(t, dev) for t in (input_ids, loss_mask, position_ids))
     docs = resolve_doc_ids(input_ids.shape[0], doc_lengths, doc_ids, dev)
     n_real = int(anchors.shape[0])
     anchors, valid = pad_anchors(anchors.to(dtype=torch.long), pad_anchors_to)
-    anchors, valid = anchors.to(dev, non_blocking=True), valid.to(dev, non_blocking=True)
+    anchors, valid = to_device(anchors, dev), to_device(valid, dev)
     labels, sup, rows = block_labels(input_ids, loss_mask, docs, anchors, B, valid)
     ids, pos, layout = build_blocks(input_ids, position_ids, docs, anchors, B, model.mask_token_id, valid)
     hidden = model(features, ids, position_ids, pos, layout, embed_weight, attn_backend=attn_backend)

@@ -19,7 +19,7 @@ exported tensor names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str) -> torch.Tensor:
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
         Q, T = x.shape[0], ctx.shape[0]
         q = self.q_norm(self.q_proj(x).view(Q, self.nh, self.d))
         kv_in = torch.cat([ctx, x])  # context features enter k/v without the layer's input norm
@@ -72,7 +72,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(T + Q, self.nkv, self.d)
         q = apply_rope(q, cos[T:], sin[T:])
         k = apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v, mask, backend).reshape(Q, self.nh * self.d))
+        return self.o_proj(attend(q, k, v, mask, backend, kernel_options).reshape(Q, self.nh * self.d))
 
 
 class MLP(nn.Module):
@@ -100,8 +100,8 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend)
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend, kernel_options)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,12 +112,15 @@ class DFlashDrafter(nn.Module):
     num_layers=5, block_size=16, target_layer_ids=None, mask_token_id=151669)``; a ready
     ``DrafterConfig`` is also accepted (the other shape arguments are then ignored).
     ``attn_backend``: "auto" (flex on CUDA, sdpa otherwise), "flex" or "sdpa".
+    ``flex_kernel_options``: Triton block sizes etc. for flex attention (``kernel_options`` of
+    ``flex_attention``; None = torch's defaults). They change speed, not results beyond rounding.
     ``compile_layers()`` compiles the draft layer once (all layers share the graph).
     """
 
     def __init__(self, target_config: Any, *, mask_token_id: int | None = None, num_layers: int = 5,
                  block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
-                 layer_types: Sequence[str] | None = None, attn_backend: str = "auto") -> None:
+                 layer_types: Sequence[str] | None = None, attn_backend: str = "auto",
+                 flex_kernel_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if isinstance(target_config, DrafterConfig):
             cfg = target_config
@@ -131,13 +134,16 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
         self.config = cfg
         self.attn_backend = attn_backend
+        self.flex_kernel_options = dict(flex_kernel_options) if flex_kernel_options else None
         H, k = cfg.hidden_size, len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        # RoPE tables per layer type, kept off the state dict and out of .to(dtype) casts
+        # RoPE tables per layer type, kept off the state dict and out of .to(dtype) casts; copied
+        # once to each device they are used on (a per-step host copy would stall the host)
         self._rope = {lt: rope_inv_freq(cfg.rope_parameters(lt), cfg.head_dim) for lt in set(cfg.layer_types)}
+        self._rope_on: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._layer_call: Any = _call_layer
         self.reset_parameters()
 
@@ -182,15 +188,18 @@ class DFlashDrafter(nn.Module):
         backend = resolve_backend(attn_backend or self.attn_backend, x.device)
         masks, ropes = {}, {}
         for lt, (inv_freq, scale) in self._rope.items():
+            if (lt, x.device) not in self._rope_on:
+                self._rope_on[lt, x.device] = inv_freq.to(x.device)
+            inv_freq = self._rope_on[lt, x.device]
             window = self.config.sliding_window if lt == SLIDING else None
             masks[lt] = layout.flex_block_mask(window) if backend == "flex" else layout.dense_mask(window)
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
         for layer, lt in zip(self.layers, self.config.layer_types):
-            x = self._layer_call(layer, x, ctx, *ropes[lt], masks[lt], backend)
+            x = self._layer_call(layer, x, ctx, *ropes[lt], masks[lt], backend, self.flex_kernel_options)
         return self.norm(x).view(N, B, -1)
 
 
 def _call_layer(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str) -> torch.Tensor:
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """One draft layer; the unit that ``DFlashDrafter.compile_layers`` compiles."""
-    return layer(x, ctx, cos, sin, mask, backend)
+    return layer(x, ctx, cos, sin, mask, backend, kernel_options)
