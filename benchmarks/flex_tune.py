@@ -53,7 +53,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "f128x64s2w8+b64x128s4w8": {**_fwd(128, 64, 2, 8), **_bwd(64, 128, 128, 64, 4, 8)},
     "f128x128s3w8+b32x64s3w4": {**_fwd(128, 128, 3, 8), **_bwd(32, 64, 64, 32, 3, 4)},
     "f64x64s3w4+b64x64s2w4": {**_fwd(64, 64, 3, 4), **_bwd(64, 64, 64, 64, 2, 4)},
-    "safe-rows": {"ROWS_GUARANTEED_SAFE": True},
+    # round 2, around round 1's best forward (64x64, 3 stages, 4 warps) and backward (32, 64, 64, 32)
+    "f64x64s4w4+b32x64s4w4": {**_fwd(64, 64, 4, 4), **_bwd(32, 64, 64, 32, 4, 4)},
+    "f64x64s2w4+b32x64s2w4": {**_fwd(64, 64, 2, 4), **_bwd(32, 64, 64, 32, 2, 4)},
+    "f64x64s3w8+b32x64s3w8": {**_fwd(64, 64, 3, 8), **_bwd(32, 64, 64, 32, 3, 8)},
+    "f64x128s2w4+b32x32s3w4": {**_fwd(64, 128, 2, 4), **_bwd(32, 32, 32, 32, 3, 4)},
+    "f64x64s3w4+b64x64s4w4": {**_fwd(64, 64, 3, 4), **_bwd(64, 64, 64, 64, 4, 4)},
+    "tma+f64x64s3w4+b32x64s3w4": {"USE_TMA": True, **_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 3, 4)},
+    "f64x64s3w4+b32x64s3w4": {**_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 3, 4)},
 }
 
 
@@ -147,7 +154,7 @@ def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock:
     ref = torch.load(ref_path, weights_only=True)
 
     def rel(x: Any, r: Any) -> float:
-        x, r = x.double().cpu(), r.double()
+        x, r = x.detach().double().cpu(), r.double()
         return float((x - r).norm() / r.norm())
 
     fwd_ms = statistics.median(times["fwd"])

@@ -230,6 +230,7 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
+    prof.export_chrome_trace(str(path.with_suffix(".trace.json.gz")))  # where the GPU waits for the host
     log(text)
 
 

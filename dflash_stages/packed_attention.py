@@ -115,19 +115,36 @@ def doc_causal_mask_mod(doc: torch.Tensor, sliding_window: int | None = None) ->
 def packed_block_mask(doc_lengths: Sequence[int], total: int, device: torch.device | str,
                       sliding_window: int | None = None,
                       block_size: int | tuple[int, int] | None = None) -> Any:
-    """The document-causal BlockMask [1, 1, total, total] of one packed row (built by a compiled
-    function on CUDA, eagerly elsewhere). ``block_size``: flex's sparse block size (default 128)."""
+    """The document-causal BlockMask [1, 1, total, total] of one packed row.
+
+    Each query sees one interval of keys, [its document's start (or q - window + 1), q], so the
+    tiles are classified from interval overlaps ([total, KV tiles] counts) instead of evaluating
+    the mask on the [total, total] grid as ``create_block_mask`` does (compiling that took minutes
+    per new row length). The result is the same, field for field (tests). ``block_size``: flex's
+    sparse block size (default 128)."""
     import torch
-    from torch.nn.attention.flex_attention import (
-        _DEFAULT_SPARSE_BLOCK_SIZE,
-        create_block_mask,
-    )
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
+
+    from dflash_core.drafter.mask import block_mask_from_tiles
 
     device = torch.device(device)
-    mask_mod = doc_causal_mask_mod(document_ids(doc_lengths, total, device), sliding_window)
-    return create_block_mask(mask_mod, None, None, total, total, device=device,
-                             BLOCK_SIZE=block_size or _DEFAULT_SPARSE_BLOCK_SIZE,
-                             _compile=device.type == "cuda")
+    bs = block_size or _DEFAULT_SPARSE_BLOCK_SIZE
+    tq, tkv = (bs, bs) if isinstance(bs, int) else bs
+    doc = document_ids(doc_lengths, total, device)
+    q = torch.arange(total, device=device)
+    starts = torch.cumsum(torch.as_tensor([0, *[int(n) for n in doc_lengths]], device=device), 0)
+    lo = torch.where(doc >= 0, starts[doc.clamp(min=0)], q)  # a padding token sees only itself
+    if sliding_window is not None:
+        lo = torch.maximum(lo, q - sliding_window + 1)
+    n_q, n_kv = -(-total // tq), -(-total // tkv)
+    kv_lo = torch.arange(n_kv, device=device) * tkv
+    kv_hi = (kv_lo + tkv).clamp(max=total) - 1
+    counts = (torch.minimum(q[:, None], kv_hi[None, :]) - torch.maximum(lo[:, None], kv_lo[None, :]) + 1).clamp(min=0)
+    counts = torch.cat([counts, counts.new_zeros(n_q * tq - total, n_kv)]).view(n_q, tq, n_kv)
+    full = counts.amin(1) == tkv
+    partial = (counts.amax(1) > 0) & ~full
+    return block_mask_from_tiles(partial[None, None], full[None, None], (tq, tkv),
+                                 doc_causal_mask_mod(doc, sliding_window), (total, total))
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+TILE = 128  # flex_attention's default sparse block size, both ways
 
 
 @dataclass
@@ -84,12 +85,44 @@ class BlockLayout:
         return self.mask_mod(sliding_window)(zero, zero, q, kv)
 
     def flex_block_mask(self, sliding_window: int | None = None, compile: bool = True):  # -> BlockMask
-        """A flex_attention BlockMask from the same mask function (compiled construction on CUDA)."""
+        """A flex_attention BlockMask of the same mask function.
+
+        Full attention: built from per-block counts (``_tile_masks``), equal to what
+        ``create_block_mask`` makes from the dense [Q, KV] grid. That grid is 16x larger, and
+        compiling its construction dominated the drafter's cold first step (it unrolls a sort
+        over the row's tiles), so it is not used here. Sliding layers go through
+        ``create_block_mask`` (compiled on CUDA)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         dev = self.block_doc.device
-        return create_block_mask(self.mask_mod(sliding_window), None, None, self.q_len, self.kv_len,
-                                 device=dev, _compile=compile and dev.type == "cuda")
+        if sliding_window is not None:
+            return create_block_mask(self.mask_mod(sliding_window), None, None, self.q_len, self.kv_len,
+                                     device=dev, _compile=compile and dev.type == "cuda")
+        partial, full = self._tile_masks(TILE)
+        return block_mask_from_tiles(partial, full, (TILE, TILE), self.mask_mod(), (self.q_len, self.kv_len))
+
+    def _tile_masks(self, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial, full) [1, 1, Q tiles, KV tiles] bool for the full-attention mask.
+
+        A query sees the same keys as every other slot of its block, so the count of visible keys
+        per (block, KV tile) [N, KV tiles] decides everything: a tile is full when each of its
+        query rows sees all ``tile`` keys, empty when none sees any. Rows and keys past Q and KV
+        (the last tiles' padding) see nothing, as in ``create_block_mask``."""
+        T, B, N = self.num_context, self.block_size, self.num_blocks
+        dev = self.block_doc.device
+        n_q, n_kv = -(-self.q_len // tile), -(-self.kv_len // tile)
+        visible = torch.zeros(N, n_kv * tile, dtype=torch.bool, device=dev)
+        rows = torch.arange(T, device=dev)
+        visible[:, :T] = (self.ctx_doc[None, :] == self.block_doc[:, None]) & (rows[None, :] < self.block_start[:, None])
+        own = torch.arange(N * B, device=dev)
+        visible[own // B, T + own] = True  # each block sees its own B slots
+        counts = visible.view(N, n_kv, tile).sum(-1, dtype=torch.int32)
+        q = torch.arange(n_q * tile, device=dev)
+        per_row = counts[(q // B).clamp(max=N - 1)] * (q < self.q_len).to(torch.int32)[:, None]
+        per_row = per_row.view(n_q, tile, n_kv)
+        full = per_row.amin(1) == tile
+        partial = (per_row.amax(1) > 0) & ~full
+        return partial[None, None], full[None, None]
 
     def attended_pairs(self, sliding_window: int | None = None) -> int:
         """Number of True entries of the mask (the P of the DESIGN §8 FLOP model), without building it."""
@@ -106,6 +139,21 @@ class BlockLayout:
         visible = torch.minimum(before[:, None], (sliding_window - 1 - slot).clamp(min=0)[None, :])
         in_block = torch.minimum(slot + 1, torch.full_like(slot, sliding_window))
         return int(visible.sum()) + self.num_blocks * int(in_block.sum())
+
+
+def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor, block_size: tuple[int, int],
+                          mask_mod: MaskMod, seq_lengths: tuple[int, int]):  # -> BlockMask
+    """A BlockMask from [1, 1, Q tiles, KV tiles] bool masks of partial and full tiles, in the form
+    ``create_block_mask`` gives (counts, then the tiles listed first in ascending order): for masks
+    whose tiles can be classified without evaluating ``mask_mod`` on the whole [Q, KV] grid."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (tiles.sum(-1, dtype=torch.int32),
+                torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32))
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths)
 
 
 def _doc_starts(ctx_doc: torch.Tensor) -> torch.Tensor:

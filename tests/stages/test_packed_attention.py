@@ -87,6 +87,26 @@ def test_block_mask_is_document_causal(window: int | None) -> None:
     assert not want_blocks[2:, 0].any() and int(want_blocks.sum()) < 15
 
 
+@pytest.mark.parametrize("lengths, total, window, bs", [
+    ([5, 9, 3], 20, None, 4),
+    ([5, 9, 3], 20, 4, 4),
+    ([300, 700, 29], 1100, None, 128),   # padding tokens; total not a multiple of 128: full tiles too
+    ([300, 700, 29], 1100, 200, 128),    # sliding window
+    ([1024], 1024, None, (128, 64)),     # one document, unequal tile sides
+])
+def test_block_mask_equals_create_block_mask(lengths, total, window, bs) -> None:
+    """The BlockMask built from interval overlaps is create_block_mask's, field for field."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ours = packed_block_mask(lengths, total, "cpu", sliding_window=window, block_size=bs)
+    ref = create_block_mask(ours.mask_mod, None, None, total, total, device="cpu", BLOCK_SIZE=bs)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+
+
 def test_mask_mod_past_the_row_end_is_safe() -> None:
     """flex may evaluate the mask on indices rounded up past the row: no index error, and a
     real query never sees a column past the end."""
