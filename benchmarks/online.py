@@ -46,7 +46,7 @@ from dflash_stages.packed_attention import (
     row_attention_mask,
 )
 from dflash_stages.random_rows import RandomRowsConfig, random_row
-from dflash_stages.target import PRESETS, FeatureCapture, load_target
+from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, load_target
 from dflash_stages.train import TrainConfig
 from dflash_stages.trainer import Trainer
 
@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", FLEX, "both"],
                    help="target attention (see the module docstring); both = sdpa and packed_flex")
+    p.add_argument("--compile-target", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the target's decoder layers, as extract's compile option (auto: on CUDA)")
     p.add_argument("--target-only", action="store_true",
                    help="time the target forward only: no drafter, back-to-back or pipeline part")
     args = p.parse_args()
@@ -126,6 +128,10 @@ def main() -> None:
     L = target.config.num_hidden_layers
     ids = default_target_layer_ids(L, 5) if layers == "auto" else layers
     res["layer_ids"] = ids
+    compile_target = args.compile_target == "on" or (args.compile_target == "auto" and dev.type == "cuda")
+    if compile_target:
+        compile_layers(target)
+    res["target_compiled"] = compile_target
     cap = FeatureCapture(target, ids)
     rcfg = RandomRowsConfig(rows=args.rows, tokens_per_row=args.tokens, vocab_size=target.config.vocab_size - 1)
     rows = [random_row(rcfg, i) for i in range(args.rows)]
@@ -228,7 +234,7 @@ version: 1
 run_dir: {work}/run
 stages:
   pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
-  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn}}}}}
+  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn}, compile: {args.compile_target}}}}}
   train: {{uses: dflash, after: extract, device: {args.device},
           params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
 """

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter.attention import resolve_backend
+from dflash_core.drafter.attention import flex_kernel_options, resolve_backend
 from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
@@ -85,12 +85,13 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> di
     row = make_row(T, args.docs, V, args.seed)
     g = row["generator"]
     model = DFlashDrafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=V - 1,
-                          attn_backend=backend, flex_kernel_options=getattr(args, "flex_options", None),
-                          ).to(device=dev, dtype=dtype)
+                          attn_backend=backend).to(device=dev, dtype=dtype)
+    model.flex_kernel_options = flex_kernel_options(getattr(args, "flex_options", "auto"), dev,
+                                                    model.config.head_dim, dtype)
     k = len(model.config.target_layer_ids)
     return dict(
         model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
-        input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev),
+        input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev), loss_mask_cpu=row["loss_mask"],
         position_ids=row["position_ids"].to(dev),
         features=torch.randn(T, k * H, generator=g).to(dev, dtype),
         embed=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
@@ -134,7 +135,9 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed)
 
     def step() -> torch.Tensor:
-        anchors = sample_anchors(s["loss_mask"].cpu(), s["lengths"], s["N"], gen)
+        # anchors are drawn on the host from a host copy of the mask, as the trainer does (a
+        # .cpu() of the GPU mask here would wait for the previous step and serialise the steps)
+        anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"], gen)
         out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
                            anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
                            chunk_rows=args.chunk_rows)
@@ -178,15 +181,25 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
     med = statistics.median(times)
     tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
+    # steady state: the same number of steps back to back with no sync between them, as the
+    # trainer runs (its host prepares the next step while the GPU finishes this one)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(dev)
+    steady = (time.perf_counter() - t0) / args.steps
+    log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step")
     if args.profile:
         profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
     return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                 torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, mfu=tflops * 1e12 / H200_BF16_PEAK,
+                tflop_per_s=tflops, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
+                steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps, flex_options=args.flex_options)
+                steps=args.steps, flex_options=model.flex_kernel_options)
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
@@ -282,8 +295,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
     p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")
-    p.add_argument("--flex-options", type=json.loads, default=None,
-                   help='flex attention kernel_options as JSON, e.g. \'{"bwd_num_warps": 4}\' (see flex_tune.py)')
+    p.add_argument("--flex-options", type=lambda v: v if v == "auto" else json.loads(v), default="auto",
+                   help='flex attention kernel_options: auto (measured ones for this GPU, see flex_tune.py), '
+                        'null (torch\'s defaults) or JSON, e.g. \'{"bwd_num_warps": 4}\'')
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="portable compile cache directory: loaded before the first step, saved after it")
     args = p.parse_args()
@@ -308,12 +322,14 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
-    print(f"\n{'backend':8} {'compiled':>8} {'first step s':>12} {'step ms':>9} {'tokens/s':>10} {'TFLOP/step':>10} "
-          f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+    print("\nstep ms: median of steps timed alone (synced each); steady: steps back to back, as the trainer runs")
+    print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'step ms':>9} {'steady ms':>9} {'tokens/s':>10} "
+          f"{'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for r in results:
         mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
-        print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} {r['tokens_per_s']:10.0f} "
-              f"{r['tflop_per_step']:10.2f} {r['tflop_per_s']:8.1f} {r['mfu']:6.1%} {mem}")
+        print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} "
+              f"{r['steady_ms']:9.1f} {r['steady_tokens_per_s']:10.0f} {r['tflop_per_step']:10.2f} "
+              f"{r['steady_tflop_per_s']:8.1f} {r['steady_tflop_per_s'] * 1e12 / H200_BF16_PEAK:6.1%} {mem}")
     for b, msg in failures.items():
         print(f"{b:8} FAILED: {msg}")
     return 1 if failures and not results else 0

@@ -31,6 +31,9 @@ class ExtractConfig:
     attn_implementation: str = field(default="auto", metadata={
         "help": "auto = packed_flex on CUDA (flex_attention, document-causal BlockMask), sdpa "
                 "elsewhere; or sdpa / eager (4D mask) / packed_flex"})
+    compile: str = field(default="auto", metadata={
+        "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
+                "CUDA) | on | off"})
 
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
@@ -43,6 +46,8 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         from dflash_stages.packed_attention import IMPLEMENTATIONS
 
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.attn_implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                              f"got {self.attn_implementation!r}")
@@ -60,7 +65,7 @@ class HFHooksExtract(Stage):
         import torch
 
         from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
-        from dflash_stages.target import FeatureCapture, load_target, target_header
+        from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
 
         cfg = self.config
         device = torch.device(ctx.device)
@@ -70,10 +75,13 @@ class HFHooksExtract(Stage):
         model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
         n_layers = model.config.num_hidden_layers
         ids = cfg.layer_ids(n_layers)
+        compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+        if compiled:
+            compile_layers(model)
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
         dtype = next(model.parameters()).dtype
-        ctx.logger.info("target %s: %d layers, features from %s, attention %s", cfg.model, n_layers,
-                        ids, attn)
+        ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model, n_layers,
+                        ids, attn, ", compiled layers" if compiled else "")
         yield target_header(cfg.model, model, ids, tokenizer)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         rows = tokens = 0

@@ -47,9 +47,10 @@ class TrainConfig:
         "help": "torch.compile the draft layers and the loss: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
         "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
-    flex_kernel_options: dict[str, Any] | None = field(default=None, metadata={
-        "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1); null = torch's "
-                "defaults. See benchmarks/flex_tune.py"})
+    flex_kernel_options: dict[str, Any] | str | None = field(default="auto", metadata={
+        "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1): auto = the ones "
+                "measured fastest on this GPU kind if known (benchmarks/flex_tune.py), null = torch's "
+                "defaults, or a mapping"})
     pad_anchors: bool = field(default=True, metadata={
         "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={
@@ -60,6 +61,8 @@ class TrainConfig:
             raise ValueError("loss_target must be data, target_argmax or kl")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError("compile must be auto, on or off")
+        if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
+            raise ValueError("flex_kernel_options must be auto, null or a mapping")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
 

@@ -10,6 +10,7 @@ import torch
 
 from dflash_core import StageContext
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
+from dflash_core.drafter.attention import flex_kernel_options
 from dflash_stages import compile_cache
 from dflash_stages.target import resolve_dtype
 from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
@@ -41,8 +42,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = DFlashDrafter(header["config"], mask_token_id=mask_id, num_layers=cfg.num_layers,
                               block_size=cfg.block_size, target_layer_ids=header["target_layer_ids"],
-                              attn_backend=cfg.attn_backend, flex_kernel_options=cfg.flex_kernel_options)
+                              attn_backend=cfg.attn_backend)
         self.model = model.to(device=self.device, dtype=self.dtype)
+        model.flex_kernel_options = flex_kernel_options(cfg.flex_kernel_options, self.device,
+                                                        model.config.head_dim, self.dtype)
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()

@@ -107,3 +107,22 @@ def test_documents_of_a_packed_row_do_not_see_each_other(target: Path, tmp_path:
     # and the mask matters: the same tokens as one causal document give other features
     joined = extract(target, [packed_row([np.concatenate(docs)])], tmp_path)[1]["features"]
     assert (joined[17:47] - feats[17:47]).abs().max() > 1e-2
+
+
+def test_compiled_layers_give_the_eager_features(target: Path, tmp_path: Path) -> None:
+    """``compile: on`` (the CUDA default; Inductor's CPU backend here) yields the eager features
+    of every row and the last hidden state, with the hooks outside the compiled graph: one graph
+    serves all layers and rows of one length."""
+    rng = np.random.default_rng(3)
+    rows = [packed_row([rng.integers(0, 5999, 20), rng.integers(0, 5999, 12)]) for _ in range(2)]
+    eager = extract(target, rows, tmp_path, compile="off", last_hidden=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = extract(target, rows, tmp_path, compile="on", last_hidden=True)
+    for e, c in zip(eager[1:], compiled[1:]):
+        torch.testing.assert_close(c["features"], e["features"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c["last_hidden"], e["last_hidden"], atol=1e-5, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="compile must be auto, on or off"):
+        ExtractConfig(model=str(target), compile="yes")
