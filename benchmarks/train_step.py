@@ -165,6 +165,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         step()
         sync(dev)
         log(f"[{backend}] warm-up step {i + 1}: {time.perf_counter() - t1:.2f}s")
+    host_syncs = count_host_syncs(step, dev)
     times, flops = [], []
     for _ in range(args.steps):
         if dev.type == "cuda":
@@ -189,17 +190,38 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         step()
     sync(dev)
     steady = (time.perf_counter() - t0) / args.steps
-    log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step")
+    log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
+        f"host syncs per step: {host_syncs}")
     if args.profile:
         profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
     return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                 torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
+                tflop_per_s=tflops, host_syncs=host_syncs, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
                 steps=args.steps, flex_options=model.flex_kernel_options)
+
+
+def count_host_syncs(step: Callable[[], Any], dev: torch.device) -> int | None:
+    """Operations in one step that make the host wait for the GPU (torch's sync debug mode):
+    each one stops the host from preparing the next step while this one runs."""
+    if dev.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    for msg in syncs[:5]:
+        log(f"host sync in the step: {msg}")
+    return len(syncs)
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins

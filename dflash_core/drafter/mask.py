@@ -114,8 +114,10 @@ class BlockLayout:
         visible = torch.zeros(N, n_kv * tile, dtype=torch.bool, device=dev)
         rows = torch.arange(T, device=dev)
         visible[:, :T] = (self.ctx_doc[None, :] == self.block_doc[:, None]) & (rows[None, :] < self.block_start[:, None])
-        own = torch.arange(N * B, device=dev)
-        visible[own // B, T + own] = True  # each block sees its own B slots
+        slot_block = torch.arange(N * B, device=dev) // B  # each block sees its own B slots
+        # (a comparison, not ``visible[i, j] = True``: a Python scalar assigned by index is copied
+        # from pageable host memory, which waits for the GPU and stalls the host every step)
+        visible[:, T:T + N * B] = slot_block[None, :] == torch.arange(N, device=dev)[:, None]
         counts = visible.view(N, n_kv, tile).sum(-1, dtype=torch.int32)
         q = torch.arange(n_q * tile, device=dev)
         per_row = counts[(q // B).clamp(max=N - 1)] * (q < self.q_len).to(torch.int32)[:, None]
