@@ -100,6 +100,9 @@ def main() -> None:
                    help="target attention (see the module docstring); both = sdpa and packed_flex")
     p.add_argument("--compile-target", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the target's decoder layers, as extract's compile option (auto: on CUDA)")
+    p.add_argument("--train-device", default=None,
+                   help="the pipeline's train stage on another device (e.g. cuda:1: target and drafter on "
+                        "two GPUs); the parts alone and back to back stay on --device")
     p.add_argument("--target-only", action="store_true",
                    help="time the target forward only: no drafter, back-to-back or pipeline part")
     args = p.parse_args()
@@ -235,7 +238,7 @@ run_dir: {work}/run
 stages:
   pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
   extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn}, compile: {args.compile_target}}}}}
-  train: {{uses: dflash, after: extract, device: {args.device},
+  train: {{uses: dflash, after: extract, device: {args.train_device or args.device},
           params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
 """
     pm = PluginManager(autoload=False)
@@ -243,6 +246,7 @@ stages:
     t0 = time.perf_counter()
     Runner(pipeline, pm).run()
     res["pipeline_wall_s"] = time.perf_counter() - t0
+    res["pipeline_train_device"] = args.train_device or args.device
     with open(f"{work}/run/metrics.jsonl") as f:
         metrics = [json.loads(x) for x in f]
     # steady state: steps after the queue filled during the first (compiling) step has drained
@@ -254,6 +258,8 @@ stages:
                overhead_vs_back_to_back=(args.tokens / pipe_tok_s) / b2b_s - 1)
     if dev.type == "cuda":
         res["peak_gib_pipeline"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        if args.train_device and args.train_device != args.device:
+            res["peak_gib_pipeline_train_device"] = torch.cuda.max_memory_allocated(args.train_device) / 2**30
     report(res, args)
 
 
@@ -275,7 +281,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         return
     print(f"{'drafter step':34s} {res['drafter_ms']:9.1f} {res['drafter_tok_s']:10.0f} {res['drafter_tflops']:8.1f}")
     print(f"{'back to back':34s} {res['back_to_back_ms']:9.1f} {res['back_to_back_tok_s']:10.0f}")
-    print(f"{'pipeline (runner, threads)':34s} {res['pipeline_ms']:9.1f} {res['pipeline_tok_s']:10.0f}")
+    where = "" if res["pipeline_train_device"] == res["device"] else f", train on {res['pipeline_train_device']}"
+    print(f"{'pipeline (runner, threads' + where + ')':34s} {res['pipeline_ms']:9.1f} {res['pipeline_tok_s']:10.0f}")
     print(f"pipeline overhead vs back to back: {res['overhead_vs_back_to_back'] * 100:+.1f}%")
 
 
