@@ -35,6 +35,10 @@ class ExtractConfig:
         "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
                 "CUDA) | on | off"})
 
+    def compiled(self, device: Any) -> bool:
+        """Whether the target's layers are compiled on ``device`` (``auto``: on CUDA)."""
+        return self.compile == "on" or (self.compile == "auto" and str(device).startswith("cuda"))
+
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
         from dflash_core.drafter import default_target_layer_ids
@@ -75,7 +79,7 @@ class HFHooksExtract(Stage):
         model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
         n_layers = model.config.num_hidden_layers
         ids = cfg.layer_ids(n_layers)
-        compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+        compiled = cfg.compiled(device)
         if compiled:
             compile_layers(model)
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)

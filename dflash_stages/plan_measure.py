@@ -107,7 +107,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     from dflash_stages import compile_cache
     from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
     from dflash_stages.random_rows import RandomRowsConfig, random_row
-    from dflash_stages.target import FeatureCapture, load_target, target_header
+    from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
     from dflash_stages.trainer import Trainer
 
     dev = torch.device(device)
@@ -139,6 +139,8 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     t0 = time.perf_counter()
     model, tok = load_target(extract_cfg.model, str(dev), extract_cfg.dtype, attn)
     load_s = time.perf_counter() - t0
+    if extract_cfg.compiled(dev):
+        compile_layers(model)
     n_layers = model.config.num_hidden_layers
     ids = extract_cfg.layer_ids(n_layers)
     capture = FeatureCapture(model, ids, last_hidden=extract_cfg.last_hidden)
