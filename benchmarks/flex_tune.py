@@ -209,7 +209,8 @@ def main() -> int:
             continue
         done[name] = res
         running.pop(name).join()
-        msg = res.get("error") or f"fwd {res['fwd_ms']:.2f} ms, bwd {res['bwd_ms']:.2f} ms, compile {res['compile_s']:.0f} s"
+        msg = res.get("error") or (f"fwd {res['fwd_ms']:.2f} ms, bwd {res['bwd_ms']:.2f} ms, "
+                                   f"compile {res['compile_s']:.0f} s")
         print(f"{name}: {msg}", file=sys.stderr, flush=True)
     for name, proc in running.items():
         proc.kill()

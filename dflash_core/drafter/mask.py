@@ -112,8 +112,8 @@ class BlockLayout:
         dev = self.block_doc.device
         n_q, n_kv = -(-self.q_len // tile), -(-self.kv_len // tile)
         visible = torch.zeros(N, n_kv * tile, dtype=torch.bool, device=dev)
-        rows = torch.arange(T, device=dev)
-        visible[:, :T] = (self.ctx_doc[None, :] == self.block_doc[:, None]) & (rows[None, :] < self.block_start[:, None])
+        before_anchor = torch.arange(T, device=dev)[None, :] < self.block_start[:, None]
+        visible[:, :T] = (self.ctx_doc[None, :] == self.block_doc[:, None]) & before_anchor
         slot_block = torch.arange(N * B, device=dev) // B  # each block sees its own B slots
         # (a comparison, not ``visible[i, j] = True``: a Python scalar assigned by index is copied
         # from pageable host memory, which waits for the GPU and stalls the host every step)

@@ -19,7 +19,7 @@ exported tensor names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -112,15 +112,15 @@ class DFlashDrafter(nn.Module):
     num_layers=5, block_size=16, target_layer_ids=None, mask_token_id=151669)``; a ready
     ``DrafterConfig`` is also accepted (the other shape arguments are then ignored).
     ``attn_backend``: "auto" (flex on CUDA, sdpa otherwise), "flex" or "sdpa".
-    ``flex_kernel_options``: Triton block sizes etc. for flex attention (``kernel_options`` of
-    ``flex_attention``; None = torch's defaults). They change speed, not results beyond rounding.
+    ``flex_kernel_options`` (attribute, default None = torch's defaults): Triton block sizes etc.
+    passed to flex_attention as ``kernel_options``; set after the model is on its device (see
+    ``attention.flex_kernel_options``). They change speed, not results beyond rounding.
     ``compile_layers()`` compiles the draft layer once (all layers share the graph).
     """
 
     def __init__(self, target_config: Any, *, mask_token_id: int | None = None, num_layers: int = 5,
                  block_size: int = 16, target_layer_ids: Sequence[int] | None = None,
-                 layer_types: Sequence[str] | None = None, attn_backend: str = "auto",
-                 flex_kernel_options: Mapping[str, Any] | None = None) -> None:
+                 layer_types: Sequence[str] | None = None, attn_backend: str = "auto") -> None:
         super().__init__()
         if isinstance(target_config, DrafterConfig):
             cfg = target_config
@@ -134,7 +134,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
         self.config = cfg
         self.attn_backend = attn_backend
-        self.flex_kernel_options = dict(flex_kernel_options) if flex_kernel_options else None
+        self.flex_kernel_options: dict[str, Any] | None = None
         H, k = cfg.hidden_size, len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
