@@ -131,13 +131,14 @@ def packed_block_mask(doc_lengths: Sequence[int], total: int, device: torch.devi
     bs = block_size or _DEFAULT_SPARSE_BLOCK_SIZE
     tq, tkv = (bs, bs) if isinstance(bs, int) else bs
     doc = document_ids(doc_lengths, total, device)
-    q = torch.arange(total, device=device)
-    starts = torch.cumsum(torch.as_tensor([0, *[int(n) for n in doc_lengths]], device=device), 0)
+    i32 = torch.int32  # the [total, KV tiles] counts below: half the memory of int64 on long rows
+    q = torch.arange(total, device=device, dtype=i32)
+    starts = torch.cumsum(torch.as_tensor([0, *[int(n) for n in doc_lengths]], device=device), 0).to(i32)
     lo = torch.where(doc >= 0, starts[doc.clamp(min=0)], q)  # a padding token sees only itself
     if sliding_window is not None:
         lo = torch.maximum(lo, q - sliding_window + 1)
     n_q, n_kv = -(-total // tq), -(-total // tkv)
-    kv_lo = torch.arange(n_kv, device=device) * tkv
+    kv_lo = torch.arange(n_kv, device=device, dtype=i32) * tkv
     kv_hi = (kv_lo + tkv).clamp(max=total) - 1
     counts = (torch.minimum(q[:, None], kv_hi[None, :]) - torch.maximum(lo[:, None], kv_lo[None, :]) + 1).clamp(min=0)
     counts = torch.cat([counts, counts.new_zeros(n_q * tq - total, n_kv)]).view(n_q, tq, n_kv)
