@@ -282,4 +282,5 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
     if measured is not None and not measured.device.startswith("cuda"):
         console.print("note: rates measured on the CPU rank the layouts for a GPU only if the target and the drafter "
                       "keep the same speed ratio there; measure on a GPU (--device) or give --rates")
-    console.print("note: a prediction from one-GPU rates; no multi-GPU run has been measured (docs/multi_gpu.md)")
+    console.print("note: a prediction from one-GPU rates; no torchrun layout has been measured on GPUs "
+                  "(docs/multi_gpu.md)")
