@@ -256,6 +256,8 @@ stages:
     steady = metrics[skip + (len(metrics) - skip) // 2:]
     pipe_s = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
     pipe_tok_s = args.tokens / pipe_s
+    after = metrics[skip:]  # the whole window after the first steps: earlier runs' estimate
+    res["pipeline_ms_after_skip"] = (after[-1]["time"] - after[0]["time"]) / (len(after) - 1) * 1e3
     res.update(pipeline_rows=n_rows, pipeline_steady_rows=len(steady) - 1,
                pipeline_tok_s=pipe_tok_s, pipeline_ms=args.tokens / pipe_tok_s * 1e3,
                overhead_vs_back_to_back=(args.tokens / pipe_tok_s) / b2b_s - 1)
