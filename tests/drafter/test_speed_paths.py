@@ -120,3 +120,23 @@ def test_compile_cache_round_trip(tmp_path):
     assert compile_cache.load(url, log)
     (tmp_path / "junk.bin").write_bytes(b"not a cache")
     assert not compile_cache.load(str(tmp_path / "junk.bin"), log)  # damaged: warned, never fatal
+
+
+def test_flex_kernel_options_resolution():
+    """auto -> the table's options only for a GPU it knows (none on CPU); a mapping is used as
+    given (copied); null/{} -> torch's defaults; the train param refuses other strings."""
+    from dflash_core.drafter.attention import TUNED_FLEX_OPTIONS, flex_kernel_options
+    from dflash_stages.train import TrainConfig
+
+    cpu = torch.device("cpu")
+    assert flex_kernel_options("auto", cpu, 128, torch.bfloat16) is None
+    given = {"bwd_num_warps": 4}
+    got = flex_kernel_options(given, cpu, 128, torch.bfloat16)
+    assert got == given and got is not given
+    assert flex_kernel_options(None, cpu, 128, torch.bfloat16) is None
+    assert flex_kernel_options({}, cpu, 128, torch.bfloat16) is None
+    h200 = TUNED_FLEX_OPTIONS[((9, 0), 128, torch.bfloat16)]
+    assert h200["bwd_BLOCK_N1"] % h200["bwd_BLOCK_M1"] == 0 and h200["bwd_BLOCK_M2"] % h200["bwd_BLOCK_N2"] == 0
+    assert all(128 % h200[k] == 0 for k in h200 if "BLOCK" in k)  # divide the BlockMask's 128 tiles
+    with pytest.raises(ValueError, match="flex_kernel_options must be auto, null or a mapping"):
+        TrainConfig(flex_kernel_options="fast")
