@@ -71,6 +71,16 @@ class _Slot:
     cuda: bool
 
 
+def _map(x: Any, fn: Any) -> Any:
+    """``x`` with every leaf replaced by ``fn(leaf)``, through dicts, lists and tuples: the one
+    walk of an item's structure that encode, decode and slots share."""
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x)
+    return fn(x)
+
+
 def encode(item: Any, cuda_ok: bool) -> tuple[bytes, list[Any]]:
     """(pickled item with tensors as _Slot placeholders, the tensors in slot order). Tensors go by
     NCCL (stay on the GPU) only when both ends are CUDA (``cuda_ok``), else through the host."""
@@ -80,55 +90,28 @@ def encode(item: Any, cuda_ok: bool) -> tuple[bytes, list[Any]]:
     seen: dict[int, _Slot] = {}  # one tensor referenced twice (a tied LM head) is sent once
 
     def strip(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) in seen:
-                return seen[id(x)]
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in seen:
             t = x.detach()
             t = t if (t.is_cuda and cuda_ok) else t.cpu()
             tensors.append(t.contiguous())
             seen[id(x)] = _Slot(len(tensors) - 1, tuple(t.shape), t.dtype, t.is_cuda)
-            return seen[id(x)]
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(strip(v) for v in x)
-        return x
+        return seen[id(x)]
 
-    return pickle.dumps(strip(item), protocol=pickle.HIGHEST_PROTOCOL), tensors
+    return pickle.dumps(_map(item, strip), protocol=pickle.HIGHEST_PROTOCOL), tensors
 
 
 def decode(structure: Any, tensors: list[Any]) -> Any:
     """Inverse of :func:`encode`, given the unpickled item and its tensors in slot order."""
-
-    def fill(x: Any) -> Any:
-        if isinstance(x, _Slot):
-            return tensors[x.index]
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(fill(v) for v in x)
-        return x
-
-    return fill(structure)
+    return _map(structure, lambda x: tensors[x.index] if isinstance(x, _Slot) else x)
 
 
 def slots(structure: Any) -> list[_Slot]:
     """The tensor placeholders of an unpickled item, in slot order."""
-    found: list[_Slot] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, _Slot):
-            found.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(structure)
-    unique = {s.index: s for s in found}
-    return [unique[i] for i in sorted(unique)]
+    found: dict[int, _Slot] = {}
+    _map(structure, lambda x: found.setdefault(x.index, x) if isinstance(x, _Slot) else x)
+    return [found[i] for i in sorted(found)]
 
 
 def send_stream(channel: Channel, dst: int, pair: Any, cuda_ok: bool) -> None:
