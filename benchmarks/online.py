@@ -38,6 +38,7 @@ from dflash_core.drafter import (
     sample_anchors,
     training_flops,
 )
+from dflash_core.devices import compile_wanted
 from dflash_core.stage import StageContext
 from dflash_stages.packed_attention import NAME as FLEX
 from dflash_stages.packed_attention import (
@@ -131,7 +132,7 @@ def main() -> None:
     L = target.config.num_hidden_layers
     ids = default_target_layer_ids(L, 5) if layers == "auto" else layers
     res["layer_ids"] = ids
-    compile_target = args.compile_target == "on" or (args.compile_target == "auto" and dev.type == "cuda")
+    compile_target = compile_wanted(args.compile_target, dev)
     if compile_target:
         compile_layers(target)
     res["target_compiled"] = compile_target

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_core.devices import compile_wanted
 from dflash_core.drafter.attention import flex_kernel_options, resolve_backend
 from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
@@ -124,7 +125,7 @@ def sync(dev: torch.device) -> None:
 def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     s = make_setup(args, torch.bfloat16, backend)
     model, dev = s["model"], s["device"]
-    compiled = args.compile == "on" or (args.compile == "auto" and dev.type == "cuda")
+    compiled = compile_wanted(args.compile, dev)
     loaded = False
     if compiled:
         model.compile_layers()

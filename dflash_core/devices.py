@@ -17,6 +17,12 @@ _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
 
 
+def compile_wanted(setting: str, device: object) -> bool:
+    """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
+    Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""
+    return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
+
+
 def expand_rank(spec: str) -> str:
     """``cuda:{local_rank}`` / ``cuda:{local_rank+2}`` -> this torchrun worker's device, so one
     pipeline file places every data-parallel rank (LOCAL_RANK, 0 outside torchrun)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
+from dflash_core.devices import compile_wanted
 
 
 @dataclass
@@ -34,10 +35,6 @@ class ExtractConfig:
     compile: str = field(default="auto", metadata={
         "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
                 "CUDA) | on | off"})
-
-    def compiled(self, device: Any) -> bool:
-        """Whether the target's layers are compiled on ``device`` (``auto``: on CUDA)."""
-        return self.compile == "on" or (self.compile == "auto" and str(device).startswith("cuda"))
 
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
@@ -79,7 +76,7 @@ class HFHooksExtract(Stage):
         model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
         n_layers = model.config.num_hidden_layers
         ids = cfg.layer_ids(n_layers)
-        compiled = cfg.compiled(device)
+        compiled = compile_wanted(cfg.compile, device)
         if compiled:
             compile_layers(model)
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)

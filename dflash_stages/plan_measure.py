@@ -104,6 +104,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     import torch
 
     from dflash_core import StageContext
+    from dflash_core.devices import compile_wanted
     from dflash_stages import compile_cache
     from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
     from dflash_stages.random_rows import RandomRowsConfig, random_row
@@ -139,7 +140,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     t0 = time.perf_counter()
     model, tok = load_target(extract_cfg.model, str(dev), extract_cfg.dtype, attn)
     load_s = time.perf_counter() - t0
-    if extract_cfg.compiled(dev):
+    if compile_wanted(extract_cfg.compile, dev):
         compile_layers(model)
     n_layers = model.config.num_hidden_layers
     ids = extract_cfg.layer_ids(n_layers)

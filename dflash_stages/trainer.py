@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_core import StageContext
+from dflash_core.devices import compile_wanted
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
 from dflash_core.drafter.attention import flex_kernel_options
 from dflash_stages import compile_cache
@@ -53,7 +54,7 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay, fused=fused)
-        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        self.compiled = compile_wanted(cfg.compile, self.device)
         self.cache_url: str | None = None
         if self.compiled:
             self.model.compile_layers()
