@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import sys
 import tempfile
 import time
@@ -116,6 +115,7 @@ def worker(name: str, opts: dict[str, Any], args: argparse.Namespace, ref_path: 
 def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock: Any) -> dict[str, Any]:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
+    from train_step import median_ms
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
@@ -141,16 +141,8 @@ def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock:
     torch.cuda.synchronize(dev)
     compile_s = time.perf_counter() - t0
     with lock:  # one process on the GPU at a time
-        times: dict[str, list[float]] = {"fwd": [], "fwd_bwd": []}
-        for part, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-            for i in range(args.warmup + args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                if i >= args.warmup:
-                    times[part].append(a.elapsed_time(b))
+        fwd_ms = median_ms(fwd, dev, args.warmup, args.reps)
+        fb_ms = median_ms(fwd_bwd, dev, args.warmup, args.reps)
         out = fwd_bwd()
         torch.cuda.synchronize(dev)
     ref = torch.load(ref_path, weights_only=True)
@@ -159,8 +151,6 @@ def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock:
         x, r = x.detach().double().cpu(), r.double()
         return float((x - r).norm() / r.norm())
 
-    fwd_ms = statistics.median(times["fwd"])
-    fb_ms = statistics.median(times["fwd_bwd"])
     pairs = s["pairs"] * 32  # attended (query, key) pairs over all query heads
     return {"compile_s": compile_s, "fwd_ms": fwd_ms, "bwd_ms": fb_ms - fwd_ms, "fwd_bwd_ms": fb_ms,
             # DESIGN §8 attention FLOPs: 4·P·d forward, 2.5x that for the backward
