@@ -41,11 +41,7 @@ from dflash_core.drafter import (
 from dflash_core.devices import compile_wanted
 from dflash_core.stage import StageContext
 from dflash_stages.packed_attention import NAME as FLEX
-from dflash_stages.packed_attention import (
-    register,
-    resolve_attn_implementation,
-    row_attention_mask,
-)
+from dflash_stages.packed_attention import register, resolve_attn_implementation
 from dflash_stages.random_rows import RandomRowsConfig, random_row
 from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, load_target
 from dflash_stages.train import TrainConfig
@@ -139,7 +135,6 @@ def main() -> None:
     cap = FeatureCapture(target, ids)
     rcfg = RandomRowsConfig(rows=args.rows, tokens_per_row=args.tokens, vocab_size=target.config.vocab_size - 1)
     rows = [random_row(rcfg, i) for i in range(args.rows)]
-    dtype = next(target.parameters()).dtype
 
     def use_attn(impl: str) -> None:
         """Switch the loaded target's attention implementation in place (same weights)."""
@@ -151,12 +146,8 @@ def main() -> None:
             raise RuntimeError(f"could not switch the target to {impl}")
 
     def forward(row: dict[str, Any]) -> torch.Tensor:
-        """The extract stage's per-row work: the row's mask for the current implementation
-        (4D additive or BlockMask), then the hooked forward."""
-        x = torch.as_tensor(row["input_ids"]).to(dev)[None]
-        pos = torch.as_tensor(row["position_ids"]).to(dev)[None]
-        mask = row_attention_mask(target, row["doc_lengths"], args.tokens, dtype, dev)
-        return cap.capture(x, pos, mask)[0][0]
+        """The extract stage's per-row work (its mask follows the current implementation)."""
+        return cap.capture_row(row)[0]
 
     tf = target_flops(target, rows[0]["doc_lengths"], max(ids))
     res["target"] = {}

@@ -65,7 +65,7 @@ class HFHooksExtract(Stage):
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
 
-        from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
+        from dflash_stages.packed_attention import resolve_attn_implementation
         from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
 
         cfg = self.config
@@ -80,28 +80,20 @@ class HFHooksExtract(Stage):
         if compiled:
             compile_layers(model)
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
-        dtype = next(model.parameters()).dtype
         ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model, n_layers,
                         ids, attn, ", compiled layers" if compiled else "")
         yield target_header(cfg.model, model, ids, tokenizer)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         rows = tokens = 0
         for row in inputs["rows"]:
-            input_ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            T = input_ids.shape[0]
-            position_ids = torch.as_tensor(row["position_ids"], dtype=torch.long)
-            lengths = [int(n) for n in row["doc_lengths"]]
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                mask = row_attention_mask(model, lengths, T, dtype, device)
-                feats, last = capture.capture(input_ids.to(device)[None],
-                                              position_ids.to(device)[None], mask)
+                feats, last = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()
+            T = feats.shape[0]
             rows += 1
             tokens += T
             ctx.progress(1, unit="rows", tokens=T)
-            out = {k: v for k, v in row.items()}
-            out.update(kind="row", features=feats[0], last_hidden=None if last is None else last[0])
-            yield out
+            yield {**row, "kind": "row", "features": feats, "last_hidden": last}
         ctx.summary.update(rows=rows, tokens=tokens, layers=ids)
 

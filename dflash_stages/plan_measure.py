@@ -106,7 +106,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     from dflash_core import StageContext
     from dflash_core.devices import compile_wanted
     from dflash_stages import compile_cache
-    from dflash_stages.packed_attention import resolve_attn_implementation, row_attention_mask
+    from dflash_stages.packed_attention import resolve_attn_implementation
     from dflash_stages.random_rows import RandomRowsConfig, random_row
     from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
     from dflash_stages.trainer import Trainer
@@ -145,17 +145,13 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     n_layers = model.config.num_hidden_layers
     ids = extract_cfg.layer_ids(n_layers)
     capture = FeatureCapture(model, ids, last_hidden=extract_cfg.last_hidden)
-    dtype = next(model.parameters()).dtype
     vocab = min(int(model.config.vocab_size) - 1, len(tok))  # real ids: never the drafter's mask row
     rcfg = RandomRowsConfig(rows=rows + 1, tokens_per_row=tokens, vocab_size=vocab)
     batch = [random_row(rcfg, i) for i in range(rows + 1)]
 
     def forward(row: dict[str, Any]) -> dict[str, Any]:
-        x = torch.as_tensor(row["input_ids"]).to(dev)[None]
-        pos = torch.as_tensor(row["position_ids"]).to(dev)[None]
-        mask = row_attention_mask(model, row["doc_lengths"], tokens, dtype, dev)
-        feats, last = capture.capture(x, pos, mask)
-        return dict(row, features=feats[0], last_hidden=None if last is None else last[0])
+        feats, last = capture.capture_row(row)
+        return dict(row, features=feats, last_hidden=last)
 
     warm_t = timed(lambda: forward(batch[0]))
     log(f"target warm-up forward: {warm_t:.2f} s")

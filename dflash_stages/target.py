@@ -8,7 +8,7 @@ the ±1 layer-id convention is decided here once: id t = output of decoder layer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -226,6 +226,20 @@ class FeatureCapture:
             except _Enough:
                 pass
         return self._take(), last
+
+    def capture_row(self, row: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """extract's per-row work: (features [T, k*H], last hidden [T, H] or None) of one packed
+        row (``input_ids``, ``position_ids``, ``doc_lengths``), with the row's mask for the model's
+        attention implementation (4D additive or flex BlockMasks), on the model's device."""
+        from dflash_stages.packed_attention import row_attention_mask
+
+        p = next(self.model.parameters())
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        pos = torch.as_tensor(row["position_ids"], dtype=torch.long)
+        lengths = [int(n) for n in row["doc_lengths"]]
+        mask = row_attention_mask(self.model, lengths, ids.shape[0], p.dtype, p.device)
+        feats, last = self.capture(ids.to(p.device)[None], pos.to(p.device)[None], mask)
+        return feats[0], None if last is None else last[0]
 
     @torch.no_grad()
     def record(self, forward: Callable[[], T]) -> tuple[T, torch.Tensor]:
