@@ -6,6 +6,10 @@ of 3 documents with 512 anchors and B=16 of ``train_step.py`` (8,192 queries ove
 
     python benchmarks/flex_tune.py                     # every config in CONFIGS, 8 at a time
     python benchmarks/flex_tune.py --only default,b64  # some of them
+    python benchmarks/flex_tune.py --only NAME@128     # NAME with the BlockMask in 128-tiles
+
+The BlockMask's tile is 128 (``mask.TILE``) unless ``@TILE`` follows the name; flex needs every
+kernel block size to divide it.
 
 Each config compiles in its own process with its own empty Inductor and Triton caches, so the
 compiles run side by side and each one's cold compile time is its own (slowed by the others
@@ -60,7 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "f64x64s3w4+b64x64s4w4": {**_fwd(64, 64, 3, 4), **_bwd(64, 64, 64, 64, 4, 4)},
     "tma+f64x64s3w4+b32x64s3w4": {"USE_TMA": True, **_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 3, 4)},
     "f64x64s3w4+b32x64s3w4": {**_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 3, 4)},
-    # not yet run: round 2's best backward (4 stages) with the chosen forward
+    # round 3: round 2's best backward (4 stages) with the chosen forward
     "f64x64s3w4+b32x64s4w4": {**_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 4, 4)},
 }
 
@@ -103,16 +107,24 @@ def reference(args: argparse.Namespace, path: Path) -> None:
     torch.save({"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}, path)
 
 
-def worker(name: str, opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock: Any, results: Any) -> None:
+def parse(name: str) -> tuple[dict[str, Any], int]:
+    """'config' or 'config@tile' -> (kernel options, BlockMask tile)."""
+    from dflash_core.drafter.mask import TILE
+
+    base, _, tile = name.partition("@")
+    return CONFIGS[base], int(tile) if tile else TILE
+
+
+def worker(name: str, args: argparse.Namespace, ref_path: str, lock: Any, results: Any) -> None:
     """Compile flex attention with ``opts``, then (holding ``lock``) time it and check it."""
     try:
-        results.put((name, measure(opts, args, ref_path, lock)))
+        results.put((name, measure(*parse(name), args, ref_path, lock)))
     except Exception as e:  # reported in the table; one bad config must not stop the others
         results.put((name, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
                             "trace": traceback.format_exc()[-2000:]}))
 
 
-def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock: Any) -> dict[str, Any]:
+def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path: str, lock: Any) -> dict[str, Any]:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
     from train_step import median_ms
@@ -120,7 +132,7 @@ def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock:
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
     s = make_inputs(args, dev)
-    mask = s["layout"].flex_block_mask()
+    mask = s["layout"].flex_block_mask(tile=tile)
     flex = torch.compile(flex_attention, dynamic=False)
     q, k, v = (s[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
     gout = s["gout"].to(torch.bfloat16)
@@ -152,7 +164,7 @@ def measure(opts: dict[str, Any], args: argparse.Namespace, ref_path: str, lock:
         return float((x - r).norm() / r.norm())
 
     pairs = s["pairs"] * 32  # attended (query, key) pairs over all query heads
-    return {"compile_s": compile_s, "fwd_ms": fwd_ms, "bwd_ms": fb_ms - fwd_ms, "fwd_bwd_ms": fb_ms,
+    return {"tile": tile, "compile_s": compile_s, "fwd_ms": fwd_ms, "bwd_ms": fb_ms - fwd_ms, "fwd_bwd_ms": fb_ms,
             # DESIGN §8 attention FLOPs: 4·P·d forward, 2.5x that for the backward
             "fwd_tflops": 4 * pairs * 128 / fwd_ms / 1e9, "bwd_tflops": 10 * pairs * 128 / (fb_ms - fwd_ms) / 1e9,
             "err": {"out": rel(out, ref["out"]), "dq": rel(q.grad, ref["dq"]), "dk": rel(k.grad, ref["dk"]),
@@ -192,7 +204,7 @@ def main() -> int:
             cache = work / name
             os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
                               TORCHINDUCTOR_COMPILE_THREADS=str(threads))
-            proc = ctx.Process(target=worker, args=(name, CONFIGS[name], args, str(ref_path), lock, results))
+            proc = ctx.Process(target=worker, args=(name, args, str(ref_path), lock, results))
             proc.start()
             running[name] = proc
         try:
@@ -211,17 +223,17 @@ def main() -> int:
         done[name] = {"error": "not started (budget)"}
 
     base = done.get("default", {}).get("err")
-    print(f"\n{'config':28} {'compile s':>9} {'fwd ms':>7} {'TFLOP/s':>7} {'bwd ms':>7} {'TFLOP/s':>7} "
+    print(f"\n{'config':32} {'tile':>4} {'compile s':>9} {'fwd ms':>7} {'TFLOP/s':>7} {'bwd ms':>7} {'TFLOP/s':>7} "
           f"{'fwd+bwd':>8}  {'err out / dq / dk / dv':27} ok")
     for name in names:
         r = done[name]
         if "error" in r:
-            print(f"{name:28} {r['error']}")
+            print(f"{name:32} {r['error']}")
             continue
         e = r["err"]
         ok = base is None or all(e[kk] <= 1.25 * base[kk] + 1e-3 for kk in e)
-        print(f"{name:28} {r['compile_s']:9.0f} {r['fwd_ms']:7.2f} {r['fwd_tflops']:7.0f} {r['bwd_ms']:7.2f} "
-              f"{r['bwd_tflops']:7.0f} {r['fwd_bwd_ms']:8.2f}  "
+        print(f"{name:32} {r['tile']:4} {r['compile_s']:9.0f} {r['fwd_ms']:7.2f} {r['fwd_tflops']:7.0f} "
+              f"{r['bwd_ms']:7.2f} {r['bwd_tflops']:7.0f} {r['fwd_bwd_ms']:8.2f}  "
               f"{e['out']:.1e}/{e['dq']:.1e}/{e['dk']:.1e}/{e['dv']:.1e} {'PASS' if ok else 'FAIL'}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

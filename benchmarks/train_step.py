@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.devices import compile_wanted
 from dflash_core.drafter.attention import flex_kernel_options, resolve_backend
+from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
@@ -131,8 +132,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         model.compile_layers()
         if args.compile_cache:
             loaded = compile_cache.load(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
-    fused = {"fused": True} if dev.type == "cuda" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.0, **fused)
+    opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
 
     def step() -> torch.Tensor:
@@ -143,8 +143,11 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                            anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
                            chunk_rows=args.chunk_rows)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if args.clip == "separate":  # the clip as a pass of its own (before clipped_step)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            clipped_step(opt, 1.0)
         opt.zero_grad(set_to_none=True)
         return anchors
 
@@ -316,6 +319,8 @@ def main() -> int:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the draft layers and the loss chunks (auto: on CUDA)")
     p.add_argument("--chunk-rows", type=int, default=1024)
+    p.add_argument("--clip", default="fused", choices=["fused", "separate"],
+                   help="gradient clip folded into fused AdamW (the trainer's) or clip_grad_norm_ first")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
     p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")

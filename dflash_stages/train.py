@@ -28,7 +28,8 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    grad_clip: float | None = field(default=1.0, metadata={
+        "help": "clip gradients to this global L2 norm; null or 0 = no clip"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
     total_steps: int | None = field(default=None, metadata={
         "help": "for the schedule; default: from the pack stage's rows per epoch x epochs"})

@@ -12,6 +12,7 @@ from dflash_core import StageContext
 from dflash_core.devices import compile_wanted
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
 from dflash_core.drafter.attention import flex_kernel_options
+from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
 from dflash_stages.target import resolve_dtype
 from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
@@ -51,9 +52,7 @@ class Trainer:
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
                      else head.detach().to(self.device, self.dtype))
-        fused = self.device.type == "cuda"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                     weight_decay=cfg.weight_decay, fused=fused)
+        self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay)
         self.compiled = compile_wanted(cfg.compile, self.device)
         self.cache_url: str | None = None
         if self.compiled:
@@ -221,11 +220,10 @@ class Trainer:
                 n = p.numel()
                 p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
                 offset += n
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         lr = lr_at(self.step, total, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        self.opt.step()
+        grad_norm = clipped_step(self.opt, self.cfg.grad_clip)
         self.opt.zero_grad(set_to_none=True)
         return grad_norm, lr
 

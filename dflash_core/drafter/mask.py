@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-TILE = 128  # flex_attention's default sparse block size, both ways
+# flex_attention's default sparse block size, both ways. Smaller tiles would waste less work on
+# ragged tiles (64: 9% fewer computed pairs at the training mask), but torch 2.11's flex backward
+# offers no kernel for them: it checks the tile against its default block sizes (128) before
+# applying kernel_options (benchmarks/flex_tune.py NAME@64).
+TILE = 128
 
 
 @dataclass
@@ -84,8 +88,9 @@ class BlockLayout:
         zero = torch.zeros((), dtype=torch.long, device=dev)
         return self.mask_mod(sliding_window)(zero, zero, q, kv)
 
-    def flex_block_mask(self, sliding_window: int | None = None, compile: bool = True):  # -> BlockMask
-        """A flex_attention BlockMask of the same mask function.
+    def flex_block_mask(self, sliding_window: int | None = None, compile: bool = True,
+                        tile: int = TILE):  # -> BlockMask
+        """A flex_attention BlockMask of the same mask function, in ``tile`` x ``tile`` blocks.
 
         Full attention: built from per-block counts (``_tile_masks``), equal to what
         ``create_block_mask`` makes from the dense [Q, KV] grid. That grid is 16x larger, and
@@ -97,9 +102,9 @@ class BlockLayout:
         dev = self.block_doc.device
         if sliding_window is not None:
             return create_block_mask(self.mask_mod(sliding_window), None, None, self.q_len, self.kv_len,
-                                     device=dev, _compile=compile and dev.type == "cuda")
-        partial, full = self._tile_masks(TILE)
-        return block_mask_from_tiles(partial, full, (TILE, TILE), self.mask_mod(), (self.q_len, self.kv_len))
+                                     device=dev, BLOCK_SIZE=tile, _compile=compile and dev.type == "cuda")
+        partial, full = self._tile_masks(tile)
+        return block_mask_from_tiles(partial, full, (tile, tile), self.mask_mod(), (self.q_len, self.kv_len))
 
     def _tile_masks(self, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(partial, full) [1, 1, Q tiles, KV tiles] bool for the full-attention mask.

@@ -3,6 +3,7 @@
     features [T, k*H] (k target layers, verified/context rows)
       -> ctx = hidden_norm(fc(features))                       computed once, shared by all layers
     block ids [N, B] (anchor token, MASK x (B-1)) -> target's frozen embedding -> x [N*B, H]
+      (the first layer works on the N + 1 distinct rows of x: the anchors' and the mask token's)
     every draft layer (Qwen3 pre-norm):
       h = input_layernorm(x)
       q = q_norm(q_proj(h))                                    queries: block stream only
@@ -64,15 +65,21 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
-        Q, T = x.shape[0], ctx.shape[0]
-        q = self.q_norm(self.q_proj(x).view(Q, self.nh, self.d))
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
+                distinct_of: int = 0) -> torch.Tensor:
+        """``distinct_of`` = B (first layer): x holds the block stream's N + 1 distinct rows
+        (``expand_blocks``); they are projected once each and laid out as the stream after."""
+        T = ctx.shape[0]
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.nh, self.d))
         kv_in = torch.cat([ctx, x])  # context features enter k/v without the layer's input norm
-        k = self.k_norm(self.k_proj(kv_in).view(T + Q, self.nkv, self.d))
-        v = self.v_proj(kv_in).view(T + Q, self.nkv, self.d)
+        k = self.k_norm(self.k_proj(kv_in).view(kv_in.shape[0], self.nkv, self.d))
+        v = self.v_proj(kv_in).view(kv_in.shape[0], self.nkv, self.d)
+        if distinct_of:
+            q = expand_blocks(q, distinct_of)
+            k, v = (torch.cat([t[:T], expand_blocks(t[T:], distinct_of)]) for t in (k, v))
         q = apply_rope(q, cos[T:], sin[T:])
         k = apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v, mask, backend, kernel_options).reshape(Q, self.nh * self.d))
+        return self.o_proj(attend(q, k, v, mask, backend, kernel_options).reshape(q.shape[0], self.nh * self.d))
 
 
 class MLP(nn.Module):
@@ -100,9 +107,24 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend, kernel_options)
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
+                distinct_of: int = 0) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend, kernel_options, distinct_of)
+        x = (expand_blocks(x, distinct_of) if distinct_of else x) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def expand_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N + 1, ...] (each block's anchor row, then the mask token's row) -> the [N * B, ...] stream.
+
+    Slots 1..B-1 of every block embed the same mask token, so until attention mixes positions
+    (the first layer's norm, q/k/v projections and q/k norms) they are one row: computing it once
+    saves the first layer 15/16 of its q, k and v work for the block stream (forward, both
+    gradients); the backward of the expansion sums the slots' gradients into that row."""
+    n = rows.shape[0] - 1
+    tail = rows.shape[1:]
+    stream = torch.cat([rows[:n, None], rows[n:, None].expand(n, block_size - 1, *tail)], 1)
+    return stream.reshape(n * block_size, *tail)
 
 
 class DFlashDrafter(nn.Module):
@@ -153,8 +175,11 @@ class DFlashDrafter(nn.Module):
         Regional compilation: the layers are identical, so one graph (norms, RoPE, SwiGLU and the
         residuals fused by Inductor, flex attention inlined) serves all of them and compiles in
         a fraction of the time of the whole model. The parameters are graph inputs, so the layers
-        do not recompile one another."""
+        do not recompile one another. The two norms outside the layers (context, output) are
+        compiled too: eager, their float32 passes and backward took ~3 ms of the H200 step."""
         self._layer_call = torch.compile(_call_layer, **options)
+        for norm in (self.hidden_norm, self.norm):  # one graph per row count: context, blocks
+            norm.compile(**{"dynamic": False, **options})
 
     @property
     def block_size(self) -> int:
@@ -183,7 +208,12 @@ class DFlashDrafter(nn.Module):
         N, B = block_ids.shape
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(features.to(dtype)))
-        x = F.embedding(block_ids.reshape(-1), embed_weight.detach()).to(dtype)
+        # DFlash's block input is [anchor token, MASK x (B-1)]: the first layer reads slot 0 of each
+        # block and one mask row (checked on the device, without waiting for it)
+        torch._assert_async((block_ids[:, 1:] == self.mask_token_id).all(),
+                            "block_ids: slots 1..B-1 must hold mask_token_id")
+        distinct = torch.cat([block_ids[:, 0], block_ids.new_full((1,), self.mask_token_id)])
+        x = F.embedding(distinct, embed_weight.detach()).to(dtype)
         positions = torch.cat([ctx_positions.reshape(-1), block_positions.reshape(-1)])
         backend = resolve_backend(attn_backend or self.attn_backend, x.device)
         masks, ropes = {}, {}
@@ -194,12 +224,14 @@ class DFlashDrafter(nn.Module):
             window = self.config.sliding_window if lt == SLIDING else None
             masks[lt] = layout.flex_block_mask(window) if backend == "flex" else layout.dense_mask(window)
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
-        for layer, lt in zip(self.layers, self.config.layer_types):
-            x = self._layer_call(layer, x, ctx, *ropes[lt], masks[lt], backend, self.flex_kernel_options)
+        for i, (layer, lt) in enumerate(zip(self.layers, self.config.layer_types)):
+            x = self._layer_call(layer, x, ctx, *ropes[lt], masks[lt], backend, self.flex_kernel_options,
+                                 B if i == 0 else 0)
         return self.norm(x).view(N, B, -1)
 
 
 def _call_layer(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
+                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
+                distinct_of: int = 0) -> torch.Tensor:
     """One draft layer; the unit that ``DFlashDrafter.compile_layers`` compiles."""
-    return layer(x, ctx, cos, sin, mask, backend, kernel_options)
+    return layer(x, ctx, cos, sin, mask, backend, kernel_options, distinct_of)

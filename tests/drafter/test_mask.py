@@ -112,8 +112,10 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
     (300, [100, 150, 40], 200, 3, 260),         # more blocks than tiles hold evenly
     (4096, [4096], 64, 16, None),               # one document: many full tiles
 ])
-def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to):
-    """The BlockMask built from per-block counts is create_block_mask's, field for field."""
+@pytest.mark.parametrize("tile", [128, 64])
+def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to, tile):
+    """The BlockMask built from per-block counts is create_block_mask's, field for field, at
+    torch's default tile and at the smaller one flex_tune.py tries."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash_core.drafter.anchors import pad_anchors
@@ -122,11 +124,13 @@ def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to):
     docs = doc_ids_from_lengths(lengths, T)
     anchors, valid = pad_anchors(sample_anchors(torch.ones(T, dtype=torch.long), lengths, n, g), pad_to)
     layout = build_blocks(torch.randint(0, 100, (T,), generator=g), torch.arange(T), docs, anchors, B, 0, valid)[2]
-    ours = layout.flex_block_mask()
-    ref = create_block_mask(layout.mask_mod(), None, None, layout.q_len, layout.kv_len, device="cpu")
+    ours = layout.flex_block_mask(tile=tile)
+    ref = create_block_mask(layout.mask_mod(), None, None, layout.q_len, layout.kv_len, device="cpu",
+                            BLOCK_SIZE=tile)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         a, b = getattr(ours, name), getattr(ref, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
     assert int(ours.kv_num_blocks.sum() + ours.full_kv_num_blocks.sum()) > 0
+

@@ -184,3 +184,13 @@ def test_tiny_hf_target_end_to_end_with_tied_embeddings():
     assert emb.grad is None and out.loss.isfinite()
     assert not any("embed" in n or "lm_head" in n for n in drafter.state_dict())
     assert drafter.fc.weight.grad is not None
+
+
+def test_block_ids_must_hold_the_mask_token_after_slot_0():
+    """The first layer computes the mask slots once (expand_blocks): other tokens there are refused."""
+    r, model, anchors, docs = _setup()
+    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, MASK_ID)
+    model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
+    ids[2, 3] = 5
+    with pytest.raises(RuntimeError, match="slots 1..B-1 must hold mask_token_id"):
+        model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
