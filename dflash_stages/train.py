@@ -66,6 +66,8 @@ class TrainConfig:
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
+        if self.grad_clip is not None and self.grad_clip < 0:
+            raise ValueError("grad_clip must be a positive norm, or null / 0 for no clip")
 
 
 def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:

@@ -18,7 +18,7 @@ def clipped_step(opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Te
     clip), take the optimizer step, and return the norm before clipping.
 
     ``clip_grad_norm_`` rescales every gradient in place: one more read and write of all of them
-    (1.4 ms of the 143 ms H200 drafter step). The fused AdamW kernels divide each gradient by
+    (0.8 ms on an H200 for the 1.05B-parameter drafter). The fused AdamW kernels divide each gradient by
     ``grad_scale`` as they read it (the hook AMP's GradScaler uses), so here the clip costs only
     the norm. The divisor is the inverse of ``clip_grad_norm_``'s factor, clamped the same way."""
     grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]

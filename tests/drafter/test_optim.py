@@ -43,3 +43,11 @@ def test_clipped_step_equals_clip_grad_norm_then_adamw(max_norm, scale):
         free_opt.step()
     same = all(torch.allclose(p, q, rtol=1e-6, atol=1e-6) for p, q in zip(ours, free))
     assert same != bool(clipped)
+
+
+def test_train_config_grad_clip():
+    from dflash_stages.train import TrainConfig
+
+    assert TrainConfig(grad_clip=None).grad_clip is None and TrainConfig(grad_clip=0).grad_clip == 0
+    with pytest.raises(ValueError, match="grad_clip must be a positive norm"):
+        TrainConfig(grad_clip=-1.0)
