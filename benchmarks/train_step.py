@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     compiled = compile_wanted(args.compile, dev)
     loaded = False
     if compiled:
-        model.compile_layers()
+        model.compile_layers(**({"options": dict(args.inductor)} if args.inductor else {}))
         if args.compile_cache:
             loaded = compile_cache.load(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
     opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0)
@@ -312,6 +312,17 @@ def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int = 5, reps: i
     return statistics.median(times)
 
 
+def inductor_option(text: str) -> tuple[str, Any]:
+    """'key=value' -> (key, value), the value read as JSON when it is JSON (numbers, true/false)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -319,6 +330,9 @@ def main() -> int:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the draft layers and the loss chunks (auto: on CUDA)")
     p.add_argument("--chunk-rows", type=int, default=1024)
+    p.add_argument("--inductor", type=inductor_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an Inductor config option for the draft-layer compile (repeatable), e.g. "
+                        "prologue_fusion=false")
     p.add_argument("--clip", default="fused", choices=["fused", "separate"],
                    help="gradient clip folded into fused AdamW (the trainer's) or clip_grad_norm_ first")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
