@@ -125,7 +125,7 @@ def packed_block_mask(doc_lengths: Sequence[int], total: int, device: torch.devi
     import torch
     from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
 
-    from dflash_core.drafter.mask import block_mask_from_tiles
+    from dflash_core.drafter.mask import block_mask_from_counts
 
     device = torch.device(device)
     bs = block_size or _DEFAULT_SPARSE_BLOCK_SIZE
@@ -137,15 +137,11 @@ def packed_block_mask(doc_lengths: Sequence[int], total: int, device: torch.devi
     lo = torch.where(doc >= 0, starts[doc.clamp(min=0)], q)  # a padding token sees only itself
     if sliding_window is not None:
         lo = torch.maximum(lo, q - sliding_window + 1)
-    n_q, n_kv = -(-total // tq), -(-total // tkv)
+    n_kv = -(-total // tkv)
     kv_lo = torch.arange(n_kv, device=device, dtype=i32) * tkv
     kv_hi = (kv_lo + tkv).clamp(max=total) - 1
     counts = (torch.minimum(q[:, None], kv_hi[None, :]) - torch.maximum(lo[:, None], kv_lo[None, :]) + 1).clamp(min=0)
-    counts = torch.cat([counts, counts.new_zeros(n_q * tq - total, n_kv)]).view(n_q, tq, n_kv)
-    full = counts.amin(1) == tkv
-    partial = (counts.amax(1) > 0) & ~full
-    return block_mask_from_tiles(partial[None, None], full[None, None], (tq, tkv),
-                                 doc_causal_mask_mod(doc, sliding_window), (total, total))
+    return block_mask_from_counts(counts, (tq, tkv), doc_causal_mask_mod(doc, sliding_window), (total, total))
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:

@@ -92,7 +92,7 @@ class BlockLayout:
                         tile: int = TILE):  # -> BlockMask
         """A flex_attention BlockMask of the same mask function, in ``tile`` x ``tile`` blocks.
 
-        Full attention: built from per-block counts (``_tile_masks``), equal to what
+        Full attention: built from per-block counts (``_visible_counts``), equal to what
         ``create_block_mask`` makes from the dense [Q, KV] grid. That grid is 16x larger, and
         compiling its construction dominated the drafter's cold first step (it unrolls a sort
         over the row's tiles), so it is not used here. Sliding layers go through
@@ -103,19 +103,16 @@ class BlockLayout:
         if sliding_window is not None:
             return create_block_mask(self.mask_mod(sliding_window), None, None, self.q_len, self.kv_len,
                                      device=dev, BLOCK_SIZE=tile, _compile=compile and dev.type == "cuda")
-        partial, full = self._tile_masks(tile)
-        return block_mask_from_tiles(partial, full, (tile, tile), self.mask_mod(), (self.q_len, self.kv_len))
+        return block_mask_from_counts(self._visible_counts(tile), (tile, tile), self.mask_mod(),
+                                      (self.q_len, self.kv_len))
 
-    def _tile_masks(self, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(partial, full) [1, 1, Q tiles, KV tiles] bool for the full-attention mask.
-
-        A query sees the same keys as every other slot of its block, so the count of visible keys
-        per (block, KV tile) [N, KV tiles] decides everything: a tile is full when each of its
-        query rows sees all ``tile`` keys, empty when none sees any. Rows and keys past Q and KV
-        (the last tiles' padding) see nothing, as in ``create_block_mask``."""
+    def _visible_counts(self, tile: int) -> torch.Tensor:
+        """[Q, KV tiles] int32: how many keys of each ``tile``-wide KV tile each query sees, for the
+        full-attention mask. A query sees the same keys as every other slot of its block, so the
+        per-block counts [N, KV tiles] are computed once and repeated B times."""
         T, B, N = self.num_context, self.block_size, self.num_blocks
         dev = self.block_doc.device
-        n_q, n_kv = -(-self.q_len // tile), -(-self.kv_len // tile)
+        n_kv = -(-self.kv_len // tile)
         visible = torch.zeros(N, n_kv * tile, dtype=torch.bool, device=dev)
         before_anchor = torch.arange(T, device=dev)[None, :] < self.block_start[:, None]
         visible[:, :T] = (self.ctx_doc[None, :] == self.block_doc[:, None]) & before_anchor
@@ -123,13 +120,7 @@ class BlockLayout:
         # (a comparison, not ``visible[i, j] = True``: a Python scalar assigned by index is copied
         # from pageable host memory, which waits for the GPU and stalls the host every step)
         visible[:, T:T + N * B] = slot_block[None, :] == torch.arange(N, device=dev)[:, None]
-        counts = visible.view(N, n_kv, tile).sum(-1, dtype=torch.int32)
-        q = torch.arange(n_q * tile, device=dev)
-        per_row = counts[(q // B).clamp(max=N - 1)] * (q < self.q_len).to(torch.int32)[:, None]
-        per_row = per_row.view(n_q, tile, n_kv)
-        full = per_row.amin(1) == tile
-        partial = (per_row.amax(1) > 0) & ~full
-        return partial[None, None], full[None, None]
+        return visible.view(N, n_kv, tile).sum(-1, dtype=torch.int32).repeat_interleave(B, dim=0)
 
     def attended_pairs(self, sliding_window: int | None = None) -> int:
         """Number of True entries of the mask (the P of the DESIGN §8 FLOP model), without building it."""
@@ -148,14 +139,25 @@ class BlockLayout:
         return int(visible.sum()) + self.num_blocks * int(in_block.sum())
 
 
-def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor, block_size: tuple[int, int],
-                          mask_mod: MaskMod, seq_lengths: tuple[int, int]):  # -> BlockMask
-    """A BlockMask from [1, 1, Q tiles, KV tiles] bool masks of partial and full tiles, in the form
-    ``create_block_mask`` gives (counts, then the tiles listed first in ascending order): for masks
-    whose tiles can be classified without evaluating ``mask_mod`` on the whole [Q, KV] grid."""
+def block_mask_from_counts(counts: torch.Tensor, block_size: tuple[int, int], mask_mod: MaskMod,
+                           seq_lengths: tuple[int, int]):  # -> BlockMask
+    """A BlockMask from ``counts`` [Q, KV tiles]: how many keys of each KV tile each query row sees.
+
+    For masks whose counts come cheaper than evaluating ``mask_mod`` on the whole [Q, KV] grid.
+    A tile is full when every one of its query rows sees all of its keys, partial when some row
+    sees some; rows past Q (the last tile's padding) see nothing, as in ``create_block_mask``,
+    whose form the result takes (counts, then the tiles listed first in ascending order)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    tq, tkv = block_size
+    n_q = -(-counts.shape[0] // tq)
+    per_tile = torch.cat([counts, counts.new_zeros(n_q * tq - counts.shape[0], counts.shape[1])])
+    per_tile = per_tile.view(n_q, tq, -1)
+    full = per_tile.amin(1) == tkv
+    partial = (per_tile.amax(1) > 0) & ~full
+
     def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tiles = tiles[None, None]
         return (tiles.sum(-1, dtype=torch.int32),
                 torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32))
 
