@@ -17,6 +17,12 @@ _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
 
 
+def check_compile_setting(setting: str) -> None:
+    """A stage config's ``compile`` must be auto, on or off (checked before anything runs)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, got {setting!r}")
+
+
 def compile_wanted(setting: str, device: object) -> bool:
     """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
     Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
-from dflash_core.devices import compile_wanted
+from dflash_core.devices import check_compile_setting, compile_wanted
 
 
 @dataclass
@@ -47,8 +47,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         from dflash_stages.packed_attention import IMPLEMENTATIONS
 
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
+        check_compile_setting(self.compile)
         if self.attn_implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                              f"got {self.attn_implementation!r}")

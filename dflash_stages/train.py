@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join
+from dflash_core.devices import check_compile_setting
 
 
 @dataclass
@@ -60,8 +61,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss_target not in ("data", "target_argmax", "kl"):
             raise ValueError("loss_target must be data, target_argmax or kl")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError("compile must be auto, on or off")
+        check_compile_setting(self.compile)
         if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
