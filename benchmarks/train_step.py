@@ -8,6 +8,7 @@ documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA
     python benchmarks/train_step.py --out results/       # also write results/train_step.json
     python benchmarks/train_step.py --profile results/   # + torch.profiler top-kernel tables
     python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
+    python benchmarks/train_step.py --adamw-kernel torch # torch's fused AdamW instead of the Triton one
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
 
 Run it twice with ``--compile-cache`` on a fresh machine (empty TORCHINDUCTOR_CACHE_DIR and
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         model.compile_layers(**({"options": dict(args.inductor)} if args.inductor else {}))
         if args.compile_cache:
             loaded = compile_cache.load(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
-    opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0)
+    opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
     gen = torch.Generator().manual_seed(args.seed)
 
     def step() -> torch.Tensor:
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     t0 = time.perf_counter()
-    log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded})...")
+    log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded}; {type(opt).__name__})...")
     step()
     sync(dev)
     first = time.perf_counter() - t0
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         sync(dev)
         log(f"[{backend}] warm-up step {i + 1}: {time.perf_counter() - t1:.2f}s")
     host_syncs = count_host_syncs(step, dev)
+    host = host_ms(step, dev)
     times, flops = [], []
     for _ in range(args.steps):
         if dev.type == "cuda":
@@ -195,17 +197,17 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     sync(dev)
     steady = (time.perf_counter() - t0) / args.steps
     log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
-        f"host syncs per step: {host_syncs}")
+        f"host syncs per step: {host_syncs}; host time per step: {host if host is None else round(host, 1)} ms")
     if args.profile:
         profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
     return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                 torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, host_syncs=host_syncs, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
+                tflop_per_s=tflops, host_syncs=host_syncs, host_ms=host, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps, flex_options=model.flex_kernel_options)
+                steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__)
 
 
 def count_host_syncs(step: Callable[[], Any], dev: torch.device) -> int | None:
@@ -229,11 +231,27 @@ def count_host_syncs(step: Callable[[], Any], dev: torch.device) -> int | None:
     return len(syncs)
 
 
+def host_ms(step: Callable[[], Any], dev: torch.device, n: int = 3) -> float | None:
+    """Median host time to enqueue one step while the GPU is still busy with earlier work (a
+    ~1 s spin kernel): the step's CPU cost. Near the GPU's step time, the host sets the pace."""
+    if dev.type != "cuda":
+        return None
+    times = []
+    for _ in range(n):
+        sync(dev)
+        torch.cuda._sleep(2_000_000_000)  # clock cycles
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        sync(dev)
+    return statistics.median(times)
+
+
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("flex attention", ("flex", "tem_fused")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "wgmma")),
     ("fused (Inductor)", ("triton_",)),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "sumsq")),
     ("copy / cast", ("copy", "memcpy", "memset", "fill")),
 )
 
@@ -267,6 +285,8 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
     lines += [f"{ms:8.2f} {ms / busy:6.1%}  {kd}" for kd, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
     if dev.type == "cuda":
         lines += ["", *matmul_table(prof, dev, n)]
+    lines += ["", "host: operators by own CPU time (all threads, profiler on)",
+              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
@@ -335,6 +355,8 @@ def main() -> int:
                         "prologue_fusion=false")
     p.add_argument("--clip", default="fused", choices=["fused", "separate"],
                    help="gradient clip folded into fused AdamW (the trainer's) or clip_grad_norm_ first")
+    p.add_argument("--adamw-kernel", default="auto", choices=["auto", "triton", "torch"],
+                   help="AdamW step: Triton kernels (auto on CUDA) or torch's fused AdamW")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
     p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")

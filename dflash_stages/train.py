@@ -20,6 +20,8 @@ from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join
 from dflash_core.devices import check_compile_setting
 
+ADAMW_KERNELS = ("auto", "triton", "torch")
+
 
 @dataclass
 class TrainConfig:
@@ -31,6 +33,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = field(default=1.0, metadata={
         "help": "clip gradients to this global L2 norm; null or 0 = no clip"})
+    adamw_kernel: str = field(default="auto", metadata={
+        "help": "AdamW step: triton (CUDA; twice torch's fused kernel on the H200) | torch (fused) | "
+                "auto = triton when the drafter is on CUDA and triton is installed"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
     total_steps: int | None = field(default=None, metadata={
         "help": "for the schedule; default: from the pack stage's rows per epoch x epochs"})
@@ -62,6 +67,8 @@ class TrainConfig:
         if self.loss_target not in ("data", "target_argmax", "kl"):
             raise ValueError("loss_target must be data, target_argmax or kl")
         check_compile_setting(self.compile)
+        if self.adamw_kernel not in ADAMW_KERNELS:  # (optim.KERNELS, named here so configs load without torch)
+            raise ValueError(f"adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}, got {self.adamw_kernel!r}")
         if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:

@@ -52,7 +52,7 @@ class Trainer:
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
                      else head.detach().to(self.device, self.dtype))
-        self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay)
+        self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel)
         self.compiled = compile_wanted(cfg.compile, self.device)
         self.cache_url: str | None = None
         if self.compiled:

@@ -18,6 +18,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (dflash_core/drafter/adamw_triton.py) are tested through Triton's interpreter
+    # on machines without a GPU; it is chosen when triton is first imported, so before any test
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.s3_fixtures import *  # noqa: F401,F403  (moto_server, s3_env, fault_proxy, …)
 
