@@ -2,11 +2,12 @@
 
 Why: torch's fused AdamW and ``_foreach_norm`` walk the parameters in multi-tensor launches of
 a few hundred blocks each; on the H200 the 1.05B-parameter drafter's update streamed at ~2.5 TB/s
-(5.7-7.9 ms of the step) where the memory does more. A launch per parameter fills the GPU. It
-costs the host ~60 Triton launches a step, which the training step hides (its host runs ~110 ms
-ahead of the GPU, ``benchmarks/train_step.py``'s host time), and the two small kernels compile in
-about two seconds, where Inductor's foreach code for the same update took 6-20 s. (One launch for
-all parameters, through device tables of pointers, was measured slower: 6.0 vs 3.7 ms.)
+(5.4-7.9 ms of the step) where the memory does more. A launch per parameter fills the GPU. It
+costs the host two Triton launches per parameter a step, which the training step hides (its host
+needs 19-29 ms a step against ~135 ms of GPU work: ``benchmarks/train_step.py``'s host time), and
+the two small kernels compile in about two seconds, where Inductor's foreach code for the same
+update took 6-20 s. (One launch for all parameters, through device tables of pointers, was
+measured slower: 6.0 vs 3.7 ms.)
 
 The arithmetic and the state layout are torch's fused AdamW's (``step`` a float32 tensor on the
 parameter's device, ``exp_avg``/``exp_avg_sq`` in the parameter's dtype, float32 math, IEEE
