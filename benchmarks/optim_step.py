@@ -1,11 +1,11 @@
 """Optimizer-step benchmark: the drafter's AdamW + clip, torch's fused kernels vs the Triton ones.
 
 Qwen3-8B-dimension drafter (5 layers, 1.05B parameters, bf16), random gradients. Checks both
-against a float32 AdamW + clip_grad_norm_ (three steps), then times with CUDA events (median of
-20 after 5 warm-up calls): the clip's norm, the AdamW update, and the two together
-(``clipped_step``, as the trainer calls them); also the Triton kernels' first call (their compile)
-and a few block sizes. Bandwidth counts 14 bytes per bf16 parameter for the update (read p, g,
-m, v; write p, m, v) and 2 for the norm.
+against a float32 AdamW + clip_grad_norm_ (three steps), then times the GPU work with CUDA
+events (median of 20 after 5 warm-up calls, each queued behind a spin kernel): the clip's norm,
+the AdamW update, and the two together (``clipped_step``, as the trainer calls them); also the
+Triton kernels' first call (their compile) and a few block sizes. Bandwidth counts 14 bytes per
+bf16 parameter for the update (read p, g, m, v; write p, m, v) and 2 for the norm.
 
     python benchmarks/optim_step.py                 # the H200 run
     python benchmarks/optim_step.py --tiny          # smoke test (CPU: Triton's interpreter)
@@ -87,6 +87,13 @@ def main() -> int:
     def params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
 
+    def optimizer(ps: list[torch.nn.Parameter], kernel: str) -> torch.optim.Optimizer:
+        if dev.type == "cuda":
+            return adamw(ps, 6e-4, 0.01, kernel=kernel)
+        if kernel == "triton":  # (adamw() keeps triton to CUDA; the smoke test runs it interpreted)
+            return adamw_triton.TritonAdamW(ps, lr=6e-4, weight_decay=0.01)
+        return torch.optim.AdamW(ps, lr=6e-4, weight_decay=0.01, fused=True)
+
     # correctness: three clipped steps of each, against float32 AdamW + clip_grad_norm_
     ref = params(torch.float32)
     ref_opt = torch.optim.AdamW(ref, lr=6e-4, weight_decay=0.01, foreach=False)
@@ -94,9 +101,7 @@ def main() -> int:
     first_call_s = None
     for kernel in ("torch", "triton"):
         ps = params(torch.bfloat16)
-        opt = adamw(ps, 6e-4, 0.01, kernel=kernel) if dev.type == "cuda" else (
-            torch.optim.AdamW(ps, lr=6e-4, weight_decay=0.01, fused=True) if kernel == "torch"
-            else adamw_triton.TritonAdamW(ps, lr=6e-4, weight_decay=0.01))
+        opt = optimizer(ps, kernel)
         for i, step_grads in enumerate(grads):
             for q, gr in zip(ps, step_grads):
                 q.grad = gr.clone()
@@ -131,9 +136,7 @@ def main() -> int:
                                norm_rel_error=norm_err, ms={})
     for kernel in ("torch", "triton"):
         ps = params(torch.bfloat16)
-        opt = adamw(ps, 6e-4, 0.01, kernel=kernel) if dev.type == "cuda" else (
-            torch.optim.AdamW(ps, lr=6e-4, weight_decay=0.01, fused=True) if kernel == "torch"
-            else adamw_triton.TritonAdamW(ps, lr=6e-4, weight_decay=0.01))
+        opt = optimizer(ps, kernel)
         for q, gr in zip(ps, last):
             q.grad = gr
         gs = [q.grad for q in ps]
@@ -141,7 +144,7 @@ def main() -> int:
         res["ms"][kernel] = dict(norm=timed(lambda: norm_fn(gs), dev, warmup, reps),
                                  update=timed(opt.step, dev, warmup, reps),
                                  clipped_step=timed(lambda: clipped_step(opt, 1.0), dev, warmup, reps))
-        if kernel == "triton":  # block sizes: elements per inner step x inner steps per program, warps
+        if kernel == "triton":  # block sizes: elements per program, warps
             st = [opt.state[q] for q in ps]
             variants = {}
             for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)):

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, host_syncs=host_syncs, host_ms=host, steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
+                tflop_per_s=tflops, host_syncs=host_syncs, host_ms=host, steady_ms=steady * 1e3,
+                steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
                 steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__)

@@ -34,7 +34,7 @@ class TrainConfig:
     grad_clip: float | None = field(default=1.0, metadata={
         "help": "clip gradients to this global L2 norm; null or 0 = no clip"})
     adamw_kernel: str = field(default="auto", metadata={
-        "help": "AdamW step: triton (CUDA; twice torch's fused kernel on the H200) | torch (fused) | "
+        "help": "AdamW step: triton (CUDA; 1.5x torch's fused kernels on the H200) | torch (fused) | "
                 "auto = triton when the drafter is on CUDA and triton is installed"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
     total_steps: int | None = field(default=None, metadata={

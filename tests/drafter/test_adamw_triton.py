@@ -9,7 +9,7 @@ from dflash_core.drafter.optim import adamw, clipped_step
 
 pytest.importorskip("triton", reason="the kernels are Triton code (the test extra installs triton)")
 
-SHAPES = ((70, 90), (24,), (7, 3, 5))  # 6,300 elements: two 4,096-element blocks, the last partial
+SHAPES = ((70, 90), (24,), (7, 3, 5))  # 6,300 elements: several programs per kernel, the last partial
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
