@@ -23,7 +23,6 @@ if not torch.cuda.is_available():
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,35 +33,7 @@ from dflash_core.drafter import DFlashDrafter
 from dflash_core.drafter import adamw_triton
 from dflash_core.drafter.optim import adamw, clipped_step
 
-from train_step import QWEN3_8B, TINY  # noqa: E402  (benchmarks/ is the script's directory)
-
-
-def timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn(): on a GPU its kernels' time alone (CUDA events, the kernels
-    queued behind a 50 ms spin so that launching them never holds the GPU up, as in the training
-    step, whose host runs far ahead); wall clock elsewhere."""
-    times = []
-    for i in range(warmup + reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(100_000_000)  # clock cycles
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from train_step import QWEN3_8B, TINY, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main() -> int:
@@ -74,6 +45,10 @@ def main() -> int:
     args = p.parse_args()
     dev = torch.device(args.device)
     warmup, reps = (1, 3) if args.tiny else (5, 20)
+
+    def timed(fn: Callable[[], Any]) -> float:  # the GPU time of fn's kernels (queued behind a spin kernel)
+        return median_ms(fn, dev, warmup, reps, behind_spin=True)
+
     cfg = TINY if args.tiny else QWEN3_8B
     torch.manual_seed(0)
     model = DFlashDrafter(cfg, num_layers=args.layers, mask_token_id=cfg["vocab_size"] - 1)
@@ -141,9 +116,9 @@ def main() -> int:
             q.grad = gr
         gs = [q.grad for q in ps]
         norm_fn = getattr(opt, "total_norm", torch.nn.utils.get_total_norm)
-        res["ms"][kernel] = dict(norm=timed(lambda: norm_fn(gs), dev, warmup, reps),
-                                 update=timed(opt.step, dev, warmup, reps),
-                                 clipped_step=timed(lambda: clipped_step(opt, 1.0), dev, warmup, reps))
+        res["ms"][kernel] = dict(norm=timed(lambda: norm_fn(gs)),
+                                 update=timed(opt.step),
+                                 clipped_step=timed(lambda: clipped_step(opt, 1.0)))
         if kernel == "triton":  # block sizes: elements per program, warps
             st = [opt.state[q] for q in ps]
             variants = {}
@@ -153,8 +128,8 @@ def main() -> int:
                         adamw_triton.adamw_update(q, q.grad, x["exp_avg"], x["exp_avg_sq"], x["step"], None, 6e-4,
                                                   (0.9, 0.999), 1e-8, 0.01, block=block, num_warps=warps)
                 variants[f"{block}w{warps}"] = dict(
-                    update=timed(update, dev, warmup, reps),
-                    norm=timed(lambda: adamw_triton.total_norm(gs, block=block, num_warps=warps), dev, warmup, reps))
+                    update=timed(update),
+                    norm=timed(lambda: adamw_triton.total_norm(gs, block=block, num_warps=warps)))
             res["variants"] = variants
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -319,17 +319,28 @@ def matmul_table(prof: Any, dev: torch.device, n: int) -> list[str]:
     return lines
 
 
-def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int = 5, reps: int = 20) -> float:
-    """Median milliseconds of fn() by CUDA events."""
+def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int = 5, reps: int = 20,
+              behind_spin: bool = False) -> float:
+    """Median milliseconds of fn() by CUDA events (wall clock off CUDA). ``behind_spin``: each call
+    queued behind a 50 ms spin kernel, so the events time its kernels alone, however long the host
+    takes to launch them (as in a training step, whose host runs ahead of the GPU)."""
     times = []
     for i in range(warmup + reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if behind_spin:
+                torch.cuda._sleep(100_000_000)  # clock cycles
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
         if i >= warmup:
-            times.append(a.elapsed_time(b))
+            times.append(ms)
     return statistics.median(times)
 
 
