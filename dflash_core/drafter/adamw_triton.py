@@ -118,6 +118,7 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             todo = [p for p in group["params"] if p.grad is not None]
             if not todo:
@@ -131,6 +132,6 @@ class TritonAdamW(torch.optim.AdamW):
             states = [self.state[p] for p in todo]
             torch._foreach_add_([st["step"] for st in states], 1.0)
             for p, st in zip(todo, states):
-                adamw_update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], getattr(self, "grad_scale", None),
-                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                adamw_update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], grad_scale, group["lr"],
+                             group["betas"], group["eps"], group["weight_decay"])
         return loss
