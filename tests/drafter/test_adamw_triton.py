@@ -8,16 +8,10 @@ import torch
 from dflash_core.drafter.optim import adamw, clipped_step
 
 pytest.importorskip("triton", reason="the kernels are Triton code (the test extra installs triton)")
+from dflash_core.drafter import adamw_triton as kernels  # noqa: E402  (imports triton)
 
 SHAPES = ((70, 90), (24,), (7, 3, 5))  # 6,300 elements: several programs per kernel, the last partial
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture
-def kernels():
-    from dflash_core.drafter import adamw_triton
-
-    return adamw_triton
 
 
 def _params(dtype=torch.float32) -> list[torch.nn.Parameter]:
@@ -31,7 +25,7 @@ def _grads(step: int, scale: float, dtype=torch.float32) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("max_norm, scale", [(1.0, 5.0), (1.0, 0.001), (None, 5.0)])
-def test_triton_adamw_equals_clip_then_adamw(kernels, max_norm, scale):
+def test_triton_adamw_equals_clip_then_adamw(max_norm, scale):
     ours, ref = _params(), _params()
     opt = kernels.TritonAdamW(ours, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6, foreach=False)
@@ -67,7 +61,7 @@ def _adamw_bf16(p, grads, to_bf16, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=1e-
     return p
 
 
-def test_triton_adamw_bf16_is_torch_fused_math(kernels):
+def test_triton_adamw_bf16_is_torch_fused_math():
     """bf16 parameters and moments, fp32 math, as torch's fused AdamW. On a GPU the kernel rounds
     to nearest and matches torch's kernel; Triton's interpreter (CPU) stores float32 as bfloat16
     by truncation, so there the kernel is held to the same math truncated, and that math, rounded
@@ -93,7 +87,7 @@ def test_triton_adamw_bf16_is_torch_fused_math(kernels):
         assert torch.equal(ours.detach(), _adamw_bf16(p0, grads, _truncate_bf16))
 
 
-def test_total_norm_equals_get_total_norm(kernels):
+def test_total_norm_equals_get_total_norm():
     grads = _grads(0, 3.0)
     torch.testing.assert_close(kernels.total_norm(grads), torch.nn.utils.get_total_norm(grads))
     # a non-contiguous view is read in its logical order
@@ -101,7 +95,7 @@ def test_total_norm_equals_get_total_norm(kernels):
     torch.testing.assert_close(kernels.total_norm([t]), t.norm())
 
 
-def test_state_interchanges_with_torch_fused_adamw(kernels):
+def test_state_interchanges_with_torch_fused_adamw():
     """A checkpoint of either optimizer resumes in the other, landing where one of them alone does."""
     a, b, alone = _params(), _params(), _params()
     ta = kernels.TritonAdamW(a, lr=1e-2, weight_decay=0.1)
@@ -133,7 +127,7 @@ def test_adamw_kernel_choice():
         adamw(p, 1e-3, 0.0, kernel="apex")
 
 
-def test_triton_adamw_refuses_what_it_does_not_implement(kernels):
+def test_triton_adamw_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="amsgrad, maximize and tensor lr"):
         kernels.TritonAdamW(_params(), lr=1e-3, amsgrad=True)
     with pytest.raises(ValueError, match="contiguous"):
