@@ -10,6 +10,7 @@ The target's prediction for the token at row p comes from its hidden state at ro
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +60,14 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def chunk_fn(fn: Callable[..., Any], device: torch.device, compile: bool) -> Callable[..., Any]:
-    """``fn`` compiled on CUDA when asked (Inductor fuses the softmax passes), eager elsewhere."""
-    return _compiled(fn) if compile and device.type == "cuda" else fn
+    """``fn`` with its softmax passes fused on CUDA when asked, eager elsewhere: hard labels by
+    ``loss_triton`` (two Triton kernels, faster than Inductor's for this shape), KL compiled."""
+    if not compile or device.type != "cuda":
+        return fn
+    if fn is _hard_chunk and importlib.util.find_spec("triton") is not None:
+        from dflash_core.drafter.loss_triton import hard_chunk
+        return hard_chunk
+    return _compiled(fn)
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
@@ -166,7 +173,7 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     ``target_hidden`` [T, H], the target's final-normed last hidden state).
     ``pad_anchors_to``: add padding blocks (they see only themselves, carry no loss) up to this
     many, so every step has the same shapes and compiled code never recompiles.
-    ``compile_loss``: fuse the LM-head loss chunks with torch.compile (CUDA only).
+    ``compile_loss``: fuse the LM-head loss chunks' softmax passes (CUDA only; ``chunk_fn``).
     Every slot of every block goes through the LM head (unsupervised ones with weight 0): the
     shapes then depend on N alone and no host sync is needed to select rows.
     """
