@@ -8,6 +8,7 @@ passes alone (``softmax_grad_`` on a logits buffer), at a few tile sizes; also e
 first call (its compile). Bandwidth counts three passes over the bf16 logits (read, read, write).
 
     python benchmarks/loss_chunk.py               # the H200 run
+    python benchmarks/loss_chunk.py --rows 1920 --variants 4096x4   # larger chunks (--chunk-rows 2048)
     python benchmarks/loss_chunk.py --tiny        # smoke test (CPU: Triton's interpreter, no Inductor)
 """
 
@@ -34,6 +35,7 @@ from dflash_core.drafter import loss_triton
 
 from train_step import median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 
+STEP_ROWS = 7680  # predicted slots of the reference step: 512 blocks x 15
 VARIANTS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 
 
@@ -41,12 +43,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
     p.add_argument("--rows", type=int, default=None, help="rows per chunk (default 960; tiny 16)")
+    p.add_argument("--variants", type=lambda v: tuple(tuple(int(n) for n in x.split("x")) for x in v.split(",")),
+                   default=None, help="tile x warps of the Triton version, e.g. 4096x4,2048x4 (default: a sweep)")
     p.add_argument("--out", type=Path, default=None, help="directory for a JSON result file")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = args.rows or (16 if args.tiny else 960)
     V, H = (1000, 64) if args.tiny else (151_936, 4096)
-    variants = ((256, 4),) if args.tiny else VARIANTS
+    variants = args.variants or (((256, 4),) if args.tiny else VARIANTS)
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(rows, H, device=dev, generator=g).to(torch.bfloat16)
     weight = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)
@@ -95,15 +99,16 @@ def main() -> int:
             results[name]["softmax_ms"] = ms
             results[name]["TB/s"] = 3 * buf.numel() * buf.element_size() / ms / 1e9
 
-    print(f"\nloss chunk {rows} x {V} (hidden {H}), {dev}: the two products alone {products:.3f} ms")
-    print("| version | chunk ms | softmax passes ms (TB/s) | first call s | loss rel err | argmax = bf16 argmax "
-          "| grad rel err (vs float64) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nloss chunk {rows} x {V} (hidden {H}), {dev}: the two products alone {products:.3f} ms "
+          f"({products * STEP_ROWS / rows:.2f} ms per {STEP_ROWS:,} rows, the drafter step's)")
+    print(f"| version | chunk ms | per {STEP_ROWS:,} rows | softmax passes ms (TB/s) | first call s | loss rel err "
+          "| argmax = bf16 argmax | grad rel err (vs float64) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         soft_ms = (f"{r['softmax_ms']:.3f} ({r['TB/s']:.2f})" if "softmax_ms" in r
                    else f"~{r['chunk_ms'] - products:.3f} (chunk − products)")
-        print(f"| {name} | {r['chunk_ms']:.3f} | {soft_ms} | {r['first_call_s']} | {r['loss_rel_err']:.1e} "
-              f"| {r['argmax_equal']:.4f} | {r['grad_rel_err']:.2e} |")
+        print(f"| {name} | {r['chunk_ms']:.3f} | {r['chunk_ms'] * STEP_ROWS / rows:.2f} | {soft_ms} "
+              f"| {r['first_call_s']} | {r['loss_rel_err']:.1e} | {r['argmax_equal']:.4f} | {r['grad_rel_err']:.2e} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "loss_chunk.json").write_text(json.dumps({"rows": rows, "V": V, "H": H, "products_ms": products,

@@ -136,20 +136,33 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
     gen = torch.Generator().manual_seed(args.seed)
 
-    def step() -> torch.Tensor:
+    def step(phases: dict[str, float] | None = None) -> torch.Tensor:
+        """One training step; ``phases``: filled with the seconds of its forward, backward and
+        optimizer, each synced (the first step's split of its compile time)."""
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            if phases is not None:
+                sync(dev)
+                phases[name], t = time.perf_counter() - t, time.perf_counter()
+
         # anchors are drawn on the host from a host copy of the mask, as the trainer does (a
         # .cpu() of the GPU mask here would wait for the previous step and serialise the steps)
         anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"], gen)
         out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
                            anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
                            chunk_rows=args.chunk_rows)
+        lap("forward")
         out.loss.backward()
+        lap("backward")
         if args.clip == "separate":  # the clip as a pass of its own (before clipped_step)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
         else:
             clipped_step(opt, 1.0)
         opt.zero_grad(set_to_none=True)
+        lap("optimizer")
         return anchors
 
     if dev.type == "cuda":
@@ -157,10 +170,10 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     sync(dev)
     t0 = time.perf_counter()
     log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded}; {type(opt).__name__})...")
-    step()
-    sync(dev)
+    phases: dict[str, float] = {}
+    step(phases)
     first = time.perf_counter() - t0
-    log(f"[{backend}] first step {first:.1f}s")
+    log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")")
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     if compiled and args.compile_cache and not loaded:
@@ -204,8 +217,8 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 torch=torch.__version__, tokens=s["T"], anchors=s["N"],
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, host_syncs=host_syncs, host_ms=host, steady_ms=steady * 1e3,
-                steady_tokens_per_s=s["T"] / steady,
+                tflop_per_s=tflops, first_step_phases_s=phases, host_syncs=host_syncs, host_ms=host,
+                steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
                 steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__)
