@@ -3,12 +3,12 @@
 Why: between its two products (logits = h @ W.T, then d loss/d h = g @ W) a chunk reads the
 [rows, V] logits to reduce them (max, sum of exponentials, argmax, the label's logit) and again to
 write the gradient g = coef · (softmax - onehot). Inductor's fused kernel for this gives each row
-(151,936 logits) to one program and loops over it several times; on the H200 it streamed at
-~1.7-2.4 TB/s, 4.2 ms of the drafter step. Here the row is cut into tiles of ``BLOCK`` logits, one
-program per (row, tile): the first kernel writes each tile's max, sum of exponentials and first
-argmax (and the label's logit, from the tile holding it), the second combines a row's partials
-into its log-sum-exp and overwrites the tile with the gradient in place. One read, then one read
-and one write of the logits, by ~18,000 programs a chunk.
+(151,936 logits) to one program: ~0.43 ms per 960-row chunk on the
+H200, 4.2 ms of the drafter step. Here the row is cut into tiles of ``BLOCK`` logits, one program per
+(row, tile): the first kernel writes each tile's max, sum of exponentials and first argmax (and the
+label's logit, from the tile holding it), the second combines a row's partials into its log-sum-exp
+and overwrites the tile with the gradient in place. One read, then one read and one write of the
+logits, by ~36,000 programs a chunk: 0.28 ms (3.2 TB/s), 2.5 ms of the step.
 
 Same arithmetic as ``loss._hard_chunk`` (float32 math on the logits as the product rounded them;
 argmax the first maximum, as torch's); the CPU tests run these kernels through Triton's
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # logits per program
+BLOCK = 4096  # logits per program (H200: 2,048 as fast; 8 or 16 warps 4-30% slower)
 NUM_WARPS = 4
 
 
