@@ -51,7 +51,7 @@ class TrainConfig:
         "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
     chunk_rows: int = field(default=1024, metadata={"help": "LM-head rows per loss chunk (memory vs speed)"})
     compile: str = field(default="auto", metadata={
-        "help": "torch.compile the draft layers and the loss: auto (on CUDA) | on | off"})
+        "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
         "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
     flex_kernel_options: dict[str, Any] | str | None = field(default="auto", metadata={
