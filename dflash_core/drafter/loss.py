@@ -90,6 +90,10 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         pad = n * size - R
         h_p, coef_p = _pad_rows(h, pad), _pad_rows(coef, pad)
         other = _pad_rows(labels if soft_h is None else soft_h, pad)
+        if labels is not None:  # on the device, without a host sync: a label outside the vocabulary
+            # is an index error in the plain chunk, but the Triton kernels would give a wrong loss
+            torch._assert_async(((labels >= 0) & (labels < weight.shape[0])).all(),
+                                "labels must be token ids of the LM head's vocabulary")
         fn = chunk_fn(_hard_chunk if soft_h is None else _soft_chunk, h.device, compile)
         loss = torch.zeros((), dtype=coef.dtype, device=h.device)
         grad = torch.empty_like(h_p)

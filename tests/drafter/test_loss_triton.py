@@ -61,3 +61,13 @@ def test_chunk_fn_picks_the_kernels_for_hard_labels_on_cuda_only():
     assert loss_mod.chunk_fn(loss_mod._hard_chunk, cuda, False) is loss_mod._hard_chunk
     assert loss_mod.chunk_fn(loss_mod._hard_chunk, cpu, True) is loss_mod._hard_chunk
     assert loss_mod.chunk_fn(loss_mod._soft_chunk, cuda, True) is loss_mod._compiled(loss_mod._soft_chunk)
+
+
+@pytest.mark.parametrize("bad", [V, -1])
+def test_labels_outside_the_vocabulary_are_refused(bad):
+    """The kernels read a row's label logit from the tile that holds it: a label past the
+    vocabulary would leave the loss unset instead of failing, so the loss checks labels first."""
+    h, weight, coef, y = _inputs()
+    y[3] = bad
+    with pytest.raises(RuntimeError, match="token ids of the LM head's vocabulary"):
+        loss_mod.ChunkedLMHeadLoss.apply(h, weight, coef, y, None, 4, False)
