@@ -266,6 +266,7 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "wgmma")),
     ("fused (Inductor)", ("triton_",)),
     ("optimizer", ("adam", "multi_tensor", "foreach", "sumsq")),
+    ("loss softmax (Triton)", ("_tile_stats", "_tile_grad")),
     ("copy / cast", ("copy", "memcpy", "memset", "fill")),
 )
 
