@@ -3,12 +3,12 @@
 Why: between its two products (logits = h @ W.T, then d loss/d h = g @ W) a chunk reads the
 [rows, V] logits to reduce them (max, sum of exponentials, argmax, the label's logit) and again to
 write the gradient g = coef · (softmax - onehot). Inductor's fused kernel for this gives each row
-(151,936 logits) to one program: ~0.43 ms per 960-row chunk on the
-H200, 4.2 ms of the drafter step. Here the row is cut into tiles of ``BLOCK`` logits, one program per
-(row, tile): the first kernel writes each tile's max, sum of exponentials and first argmax (and the
-label's logit, from the tile holding it), the second combines a row's partials into its log-sum-exp
-and overwrites the tile with the gradient in place. One read, then one read and one write of the
-logits, by ~36,000 programs a chunk: 0.28 ms (3.2 TB/s), 2.5 ms of the step.
+(151,936 logits) to one program: ~0.43 ms per 960-row chunk on the H200, 4.2 ms of the drafter
+step. Here the row is cut into tiles of ``BLOCK`` logits, one program per (row, tile): the first
+kernel writes each tile's max, sum of exponentials and first argmax (and the label's logit, from
+the tile holding it), the second combines a row's partials into its log-sum-exp and overwrites the
+tile with the gradient in place. One read, then one read and one write of the logits, by ~36,000
+programs a chunk: 0.28 ms (3.2 TB/s), 2.5 ms of the step.
 
 Same arithmetic as ``loss._hard_chunk`` (float32 math on the logits as the product rounded them;
 argmax the first maximum, as torch's); the CPU tests run these kernels through Triton's
@@ -72,6 +72,8 @@ def softmax_grad_(logits: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blo
     """Overwrite ``logits`` [rows, V] with coef · (softmax - onehot(y)); return each row's
     coef · CE (float32) and first argmax."""
     rows, V = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("softmax_grad_: the logits' rows must be contiguous")
     tiles = triton.cdiv(V, block)
     f32 = dict(dtype=torch.float32, device=logits.device)
     m, s = torch.empty(rows, tiles, **f32), torch.empty(rows, tiles, **f32)

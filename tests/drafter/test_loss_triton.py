@@ -71,3 +71,9 @@ def test_labels_outside_the_vocabulary_are_refused(bad):
     y[3] = bad
     with pytest.raises(RuntimeError, match="token ids of the LM head's vocabulary"):
         loss_mod.ChunkedLMHeadLoss.apply(h, weight, coef, y, None, 4, False)
+
+
+def test_softmax_grad_refuses_strided_rows():
+    logits = torch.zeros(V, ROWS, device=DEV).t()  # [ROWS, V] with a stride of ROWS along a row
+    with pytest.raises(ValueError, match="contiguous"):
+        loss_triton.softmax_grad_(logits, torch.zeros(ROWS, dtype=torch.long, device=DEV), torch.ones(ROWS, device=DEV))
