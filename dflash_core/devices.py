@@ -7,6 +7,7 @@ confirmed with torch at run time.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -27,6 +28,12 @@ def compile_wanted(setting: str, device: object) -> bool:
     """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
     Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""
     return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
+
+
+def triton_installed() -> bool:
+    """Whether our Triton kernels (AdamW, the loss chunk) can be used on CUDA: triton is importable
+    (CUDA builds of torch bring it; checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def expand_rank(spec: str) -> str:

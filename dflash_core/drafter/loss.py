@@ -10,7 +10,6 @@ The target's prediction for the token at row p comes from its hidden state at ro
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_core.devices import triton_installed
 from dflash_core.drafter.anchors import (block_labels, build_blocks, pad_anchors, resolve_doc_ids, slot_weights,
                                          to_device)
 from dflash_core.drafter.config import default_gamma
@@ -64,7 +64,7 @@ def chunk_fn(fn: Callable[..., Any], device: torch.device, compile: bool) -> Cal
     ``loss_triton`` (two Triton kernels, faster than Inductor's for this shape), KL compiled."""
     if not compile or device.type != "cuda":
         return fn
-    if fn is _hard_chunk and importlib.util.find_spec("triton") is not None:
+    if fn is _hard_chunk and triton_installed():
         from dflash_core.drafter.loss_triton import hard_chunk
         return hard_chunk
     return _compiled(fn)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 
 import torch
+
+from dflash_core.devices import triton_installed
 
 KERNELS = ("auto", "triton", "torch")
 
@@ -21,7 +22,7 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
     params = list(params)
     on_cuda = all(p.device.type == "cuda" for p in params)
     if kernel == "auto":
-        kernel = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+        kernel = "triton" if on_cuda and triton_installed() else "torch"
     if kernel == "torch":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     if not on_cuda:
