@@ -176,6 +176,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")")
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
+        log(compile_by_graph())
     if compiled and args.compile_cache and not loaded:
         compile_cache.save(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
     for i in range(args.warmup):
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     steady = (time.perf_counter() - t0) / args.steps
     log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
         f"host syncs per step: {host_syncs}; host time per step: {host if host is None else round(host, 1)} ms")
+    graphed = cuda_graph_compare(args, s, opt, compiled, steady) if args.cuda_graph else None
     if args.profile:
         profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
     return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
@@ -221,7 +223,118 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__)
+                steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__,
+                cuda_graph=graphed)
+
+
+def compile_by_graph() -> str:
+    """The first step's compile time graph by graph (Dynamo's records): which graph to shrink."""
+    lines = [f"{'graph':28} {'pass':>8} {'ops':>5} {'total s':>8} {'dynamo':>7} {'aot':>6} {'inductor':>8} "
+             f"{'triton':>7}"]
+    for m in torch._dynamo.utils.get_compilation_metrics():
+        def sec(us: int | None) -> str:
+            return f"{us / 1e6:.2f}" if us else "-"
+        lines.append(f"{(m.co_name or '?')[:28]:28} {'forward' if m.is_forward else 'backward':>8} "
+                     f"{m.graph_op_count or 0:5} {sec(m.duration_us):>8} "
+                     f"{sec(m.dynamo_cumulative_compile_time_us):>7} "
+                     f"{sec(m.aot_autograd_cumulative_compile_time_us):>6} "
+                     f"{sec(m.inductor_cumulative_compile_time_us):>8} {sec(m.triton_compile_time_us):>7}")
+    return "\n".join(lines)
+
+
+def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.optim.Optimizer,
+                       compiled: bool, eager_steady: float) -> dict[str, Any]:
+    """The whole step (forward, backward, clip, AdamW) captured once as a CUDA graph and replayed
+    with fresh anchors copied into its input buffer: time against the eager step, and the losses
+    and weights of K steps from the same state, eager vs replayed (prototype)."""
+    model, dev, N = s["model"], s["device"], s["N"]
+    docs = doc_ids_from_lengths(s["lengths"], s["T"], dev)
+    anchors_in = torch.zeros(N, dtype=torch.long, device=dev)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+
+    def body() -> torch.Tensor:
+        out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], None,
+                           anchors_in, s["embed"], s["lm_head"], doc_ids=docs, pad_anchors_to=N,
+                           compile_loss=compiled, chunk_rows=args.chunk_rows)
+        out.loss.backward()
+        clipped_step(opt, 1.0)
+        return out.loss.detach()
+
+    params = list(model.parameters())
+    states = [opt.state[p] for p in params]
+
+    def snapshot() -> list[torch.Tensor]:
+        return [t.detach().clone() for p, st in zip(params, states)
+                for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"])]
+
+    def restore(snap: list[torch.Tensor]) -> None:
+        live = [t for p, st in zip(params, states) for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"])]
+        with torch.no_grad():
+            for t, v in zip(live, snap):
+                t.copy_(v)
+
+    K = 5
+    anchor_list = [sample_anchors(s["loss_mask_cpu"], s["lengths"], N, gen) for _ in range(K)]
+    start = snapshot()
+    eager_losses = []
+    for a in anchor_list:
+        anchors_in.copy_(a)
+        eager_losses.append(body())
+        opt.zero_grad(set_to_none=True)
+    eager_end = [p.detach().clone() for p in params]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as CUDA-graph capture asks
+        for _ in range(2):
+            body()
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.reset_peak_memory_stats(dev)
+    graph = torch.cuda.CUDAGraph()
+    t0 = time.perf_counter()
+    try:
+        with torch.cuda.graph(graph):
+            loss_out = body()
+    except Exception as e:  # a prototype: report why and keep the rest of the run
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    capture_s = time.perf_counter() - t0
+    restore(start)
+    graph_losses = []
+    for a in anchor_list:
+        anchors_in.copy_(a)
+        graph.replay()
+        graph_losses.append(loss_out.clone())
+    sync(dev)
+    loss_diff = max(abs(float(x) - float(y)) for x, y in zip(eager_losses, graph_losses))
+    weight_diff = max(float((p.detach() - e).abs().max()) for p, e in zip(params, eager_end))
+
+    def gstep() -> torch.Tensor:
+        a = sample_anchors(s["loss_mask_cpu"], s["lengths"], N, gen)
+        anchors_in.copy_(a.pin_memory(), non_blocking=True)
+        graph.replay()
+        return a
+
+    for _ in range(3):
+        gstep()
+    syncs = count_host_syncs(gstep, dev)
+    host = host_ms(gstep, dev)
+    alone = median_ms(gstep, dev, warmup=2, reps=args.steps)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        gstep()
+    sync(dev)
+    steady = (time.perf_counter() - t0) / args.steps
+    res = dict(capture_s=capture_s, alone_ms=alone, steady_ms=steady * 1e3, eager_steady_ms=eager_steady * 1e3,
+               host_ms=host, host_syncs=syncs, loss_max_abs_diff=loss_diff, weight_max_abs_diff=weight_diff,
+               eager_losses=[float(x) for x in eager_losses], graph_losses=[float(x) for x in graph_losses],
+               peak_gib_from_capture=torch.cuda.max_memory_allocated(dev) / 2**30)
+    log(f"[cuda graph] capture {capture_s:.1f}s; alone {alone:.1f} ms; back to back {steady * 1e3:.1f} ms/step "
+        f"(eager {eager_steady * 1e3:.1f}); host {host} ms, syncs {syncs}; eager vs graph over {K} steps: "
+        f"loss max |diff| {loss_diff:.3g}, weights max |diff| {weight_diff:.3g}; "
+        f"peak since capture {res['peak_gib_from_capture']:.1f} GiB")
+    return res
 
 
 def count_host_syncs(step: Callable[[], Any], dev: torch.device) -> int | None:
@@ -289,12 +402,23 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, path: Path, n: int
             kernels.setdefault(e.name, []).append(e.device_time / 1e3 / n)  # ms per step
     rows = sorted(((sum(v), len(v) / n, k) for k, v in kernels.items()), reverse=True)
     busy = sum(r[0] for r in rows)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    idle, gaps, long_idle, end = 0.0, 0, 0.0, spans[0][1] if spans else 0.0
+    for a, b in spans[1:]:  # time the GPU ran nothing between kernels (what CUDA graphs could take back)
+        if a > end:
+            idle, gaps = idle + (a - end), gaps + 1
+            long_idle += (a - end) if a - end > 50 else 0.0
+        end = max(end, b)
     kinds: dict[str, float] = {}
     for ms, _, name in rows:
         kind = next((kd for kd, keys in KERNEL_KINDS if any(x in name.lower() for x in keys)), "other (aten)")
         kinds[kind] = kinds.get(kind, 0.0) + ms
     lines = [f"profile of {n} steps: wall {wall * 1e3:.1f} ms/step (profiler on), GPU busy {busy:.1f} ms/step "
-             f"({busy / (wall * 1e3):.0%})", "", f"{'ms/step':>8} {'share':>6} {'calls':>6}  kernel"]
+             f"({busy / (wall * 1e3):.0%})",
+             f"GPU idle between kernels: {idle / 1e3 / n:.2f} ms/step in {gaps / n:.0f} gaps "
+             f"({long_idle / 1e3 / n:.2f} ms/step in gaps over 50 us)",
+             "", f"{'ms/step':>8} {'share':>6} {'calls':>6}  kernel"]
     lines += [f"{ms:8.2f} {ms / busy:6.1%} {calls:6.0f}  {name[:110]}" for ms, calls, name in rows[:25]]
     lines += ["", f"{'ms/step':>8} {'share':>6}  kind"]
     lines += [f"{ms:8.2f} {ms / busy:6.1%}  {kd}" for kd, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
@@ -389,6 +513,8 @@ def main() -> int:
     p.add_argument("--flex-options", type=lambda v: v if v == "auto" else json.loads(v), default="auto",
                    help='flex attention kernel_options: auto (measured ones for this GPU, see flex_tune.py), '
                         'null (torch\'s defaults) or JSON, e.g. \'{"bwd_num_warps": 4}\'')
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also capture the whole step as a CUDA graph and time its replays (CUDA, prototype)")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="portable compile cache directory: loaded before the first step, saved after it")
     args = p.parse_args()
