@@ -33,5 +33,5 @@ def draft_block(model: DFlashDrafter, features: torch.Tensor, positions: torch.T
                          block_doc=torch.zeros(1, dtype=torch.long, device=dev),
                          block_start=torch.full((1,), T, dtype=torch.long, device=dev), block_size=B)
     hidden = model(features, ids, positions.to(dev), block_pos, layout, embed_weight, attn_backend="sdpa")
-    logits = hidden[0, 1:].to(lm_head_weight.dtype) @ lm_head_weight.t()
+    logits = hidden[0].to(lm_head_weight.dtype) @ lm_head_weight.t()
     return logits.argmax(-1)

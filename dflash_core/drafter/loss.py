@@ -197,7 +197,7 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     hidden = model(features, ids, position_ids, pos, layout, embed_weight, attn_backend=attn_backend)
 
     N = anchors.shape[0]
-    h = hidden[:, 1:].reshape(N * (B - 1), -1)
+    h = hidden.reshape(N * (B - 1), -1)
     work = torch.promote_types(h.dtype, torch.float32)
     flat_sup = sup.reshape(-1)
     w = slot_weights(B, default_gamma(B) if gamma is None else gamma, dev).expand(N, B - 1).reshape(-1) * flat_sup

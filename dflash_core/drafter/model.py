@@ -12,7 +12,8 @@
       RoPE on q (block positions) and k ([context positions ; block positions]); GQA attention
       with the training mask (mask.py); x = x + o_proj(attn)
       x = x + down(silu(gate(post_attention_layernorm(x))) * up(.))
-    -> norm(x)  (then the target's frozen LM head, applied by loss.py / draft.py in chunks)
+    (the last layer's MLP only on slots 1..B-1: no later layer reads the anchor rows)
+    -> norm(x) of slots 1..B-1  (then the target's frozen LM head, by loss.py / draft.py in chunks)
 
 The target's embedding and LM head are passed in on every call: they are neither parameters of
 this module nor saved, so tied embeddings need nothing special. Parameter names are exactly the
@@ -102,7 +103,8 @@ class MLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)), as two calls (``attend``,
+    ``feed_forward``) so that the model can run the second on a subset of the rows."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -111,11 +113,14 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
-                distinct_of: int = 0) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any,
+               backend: str, kernel_options: dict[str, Any] | None = None, distinct_of: int = 0) -> torch.Tensor:
+        """x + attn(norm(x)): the first half, on every row of the block stream."""
         attn = self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, backend, kernel_options, distinct_of)
-        x = (expand_blocks(x, distinct_of) if distinct_of else x) + attn
+        return (expand_blocks(x, distinct_of) if distinct_of else x) + attn
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + mlp(norm(x)): the second half, row by row (so it may run on a subset of the rows)."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -142,7 +147,7 @@ class DFlashDrafter(nn.Module):
     ``flex_kernel_options`` (attribute, default None = torch's defaults): Triton block sizes etc.
     passed to flex_attention as ``kernel_options``; set after the model is on its device (see
     ``attention.flex_kernel_options``). They change speed, not results beyond rounding.
-    ``compile_layers()`` compiles the draft layer once (all layers share the graph).
+    ``compile_layers()`` compiles the draft layer's two halves once (all layers share the graphs).
     """
 
     def __init__(self, target_config: Any, *, mask_token_id: int | None = None, num_layers: int = 5,
@@ -171,20 +176,26 @@ class DFlashDrafter(nn.Module):
         # once to each device they are used on (a per-step host copy would stall the host)
         self._rope = {lt: rope_inv_freq(cfg.rope_parameters(lt), cfg.head_dim) for lt in set(cfg.layer_types)}
         self._rope_on: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._layer_call: Any = _call_layer
+        self._attend: Any = _attend
+        self._feed_forward: Any = _feed_forward
         self.reset_parameters()
 
     def compile_layers(self, **options: Any) -> None:
-        """Run every draft layer through one torch.compile'd function.
+        """Run every draft layer through two torch.compile'd functions: its attention half and
+        its MLP half.
 
-        Regional compilation: the layers are identical, so one graph (norms, RoPE, SwiGLU and the
-        residuals fused by Inductor, flex attention inlined) serves all of them and compiles in
-        a fraction of the time of the whole model. The parameters are graph inputs, so the layers
-        do not recompile one another. The two norms outside the layers (context, output) are
-        compiled too: eager, their float32 passes and backward took ~3 ms of the H200 step."""
-        self._layer_call = torch.compile(_call_layer, **options)
-        for norm in (self.hidden_norm, self.norm):  # one graph per row count: context, blocks
-            norm.compile(**{"dynamic": False, **options})
+        Regional compilation: the layers are identical, so one graph per half (norms, RoPE, SwiGLU
+        and the residuals fused by Inductor, flex attention inlined) serves all of them and
+        compiles in a fraction of the time of the whole model. The parameters are graph inputs,
+        so the layers do not recompile one another. The MLP half is compiled for any number of
+        rows (the last layer's runs on fewer, see ``forward``). The two norms outside the layers
+        (context, output) are compiled too: eager, their float32 passes and backward took ~3 ms
+        of the H200 step."""
+        self._attend = torch.compile(_attend, **options)
+        any_rows = {**options, "options": {**_any_rows_inductor_options(), **options.get("options", {})}}
+        self._feed_forward = torch.compile(_feed_forward, **any_rows)
+        for norm in (self.hidden_norm, self.norm):  # context rows, output rows
+            norm.compile(**any_rows)
 
     @property
     def block_size(self) -> int:
@@ -205,14 +216,15 @@ class DFlashDrafter(nn.Module):
     def forward(self, features: torch.Tensor, block_ids: torch.Tensor, ctx_positions: torch.Tensor,
                 block_positions: torch.Tensor, layout: BlockLayout, embed_weight: torch.Tensor,
                 attn_backend: str | None = None) -> torch.Tensor:
-        """Final-normed hidden states [N, B, H] of the blocks.
+        """Final-normed hidden states [N, B-1, H] of slots 1..B-1 of the blocks (the slots that
+        predict a token; slot 0 holds the anchor's own token).
 
         features [T, k*H] (target layers in ``target_layer_ids`` order), block_ids/block_positions
         [N, B], ctx_positions [T], layout: documents/anchors for the mask, embed_weight [V, H].
         """
         N, B = block_ids.shape
         dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(features.to(dtype)))
+        ctx = self.hidden_norm(_any_rows(self.fc(features.to(dtype))))
         # DFlash's block input is [anchor token, MASK x (B-1)]: the first layer reads slot 0 of each
         # block and one mask row (checked on the device, without waiting for it)
         torch._assert_async((block_ids[:, 1:] == self.mask_token_id).all(),
@@ -229,14 +241,48 @@ class DFlashDrafter(nn.Module):
             window = self.config.sliding_window if lt == SLIDING else None
             masks[lt] = layout.flex_block_mask(window) if backend == "flex" else layout.dense_mask(window)
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
+        last = len(self.layers) - 1
         for i, (layer, lt) in enumerate(zip(self.layers, self.config.layer_types)):
-            x = self._layer_call(layer, x, ctx, *ropes[lt], masks[lt], backend, self.flex_kernel_options,
-                                 B if i == 0 else 0)
-        return self.norm(x).view(N, B, -1)
+            x = self._attend(layer, x, ctx, *ropes[lt], masks[lt], backend, self.flex_kernel_options,
+                             B if i == 0 else 0)
+            if i == last:  # nothing reads the anchor rows after the last attention: 1/B less MLP
+                x = x.view(N, B, -1)[:, 1:].reshape(N * (B - 1), -1)
+            x = self._feed_forward(layer, _any_rows(x))
+        return self.norm(_any_rows(x)).view(N, B - 1, -1)
 
 
-def _call_layer(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
-                distinct_of: int = 0) -> torch.Tensor:
-    """One draft layer; the unit that ``DFlashDrafter.compile_layers`` compiles."""
-    return layer(x, ctx, cos, sin, mask, backend, kernel_options, distinct_of)
+def _any_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x``, its row count marked as varying for torch.compile: one graph then serves every
+    count (the MLP's N*B rows and the last layer's N*(B-1); the norms' context and output rows)
+    instead of one per count, each compiled cold. A single row stays fixed (size 1 is special)."""
+    if x.shape[0] > 1:
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x
+
+
+def _any_rows_inductor_options() -> dict[str, Any]:
+    """Inductor options for the graphs that serve any row count (``_any_rows``).
+
+    Inductor fuses a norm's backward row and column sums into one kernel only from 2 x hidden
+    rows up, a test it keeps as a guard on the row count: 8,192 rows then compile once more at
+    7,680 (H = 4,096). Its non-strict mode fuses at any count, without the guard (and without the
+    fusion where the option is missing: one graph matters more than one kernel)."""
+    from torch._inductor import config
+
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(config.triton, "mix_order_reduction"):
+        return {"triton.mix_order_reduction": False}
+    return {}
+
+
+def _attend(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            mask: Any, backend: str, kernel_options: dict[str, Any] | None = None,
+            distinct_of: int = 0) -> torch.Tensor:
+    """A draft layer's attention half; one unit that ``DFlashDrafter.compile_layers`` compiles."""
+    return layer.attend(x, ctx, cos, sin, mask, backend, kernel_options, distinct_of)
+
+
+def _feed_forward(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
+    """A draft layer's MLP half; the other unit that ``compile_layers`` compiles."""
+    return layer.feed_forward(x)

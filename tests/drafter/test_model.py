@@ -36,7 +36,7 @@ def test_model_matches_float64_reference_logits_loss_and_grads(kw):
     ref_loss.backward()
     ref_g = _grads(model)
     hidden = model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
-    torch.testing.assert_close(hidden[:, 1:] @ r["W"].T, ref_logits, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(hidden @ r["W"].T, ref_logits, rtol=1e-5, atol=1e-9)
     out = _loss(model, r, anchors, gamma=3.0, chunk_rows=5)
     out.loss.backward()
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
@@ -62,7 +62,7 @@ def test_metrics_match_explicit_count():
     r, model, anchors, docs = _setup(n=12)
     out = _loss(model, r, anchors)
     ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, MASK_ID)
-    logits = model(r["features"], ids, r["position_ids"], pos, layout, r["E"])[:, 1:] @ r["W"].T
+    logits = model(r["features"], ids, r["position_ids"], pos, layout, r["E"]) @ r["W"].T
     pred = logits.argmax(-1)
     correct = torch.zeros(len(anchors), 3, dtype=torch.bool)
     count = torch.zeros(3, dtype=torch.long)

@@ -86,8 +86,9 @@ def test_compiled_chunk_functions_equal_eager():
 
 
 def test_compiled_layers_equal_eager_and_do_not_recompile():
-    """Regional compilation: two layer graphs (the first layer reads the frozen embedding's distinct
-    rows) and two for the norms outside the layers (context rows, block rows: 40 and 32 here),
+    """Regional compilation: two attention graphs (the first layer reads the frozen embedding's
+    distinct rows), one MLP graph for both row counts (all 32 block rows; the last layer's 24 of
+    slots 1..B-1) and one for the two norms outside the layers (40 context rows, 24 output rows),
     whatever the anchors and documents of the row."""
     from torch._dynamo.utils import counters
 
