@@ -67,7 +67,7 @@ def run_path(ts: Any, args: argparse.Namespace, dtype: torch.dtype, backend: str
     seconds = time.perf_counter() - t0
     with torch.set_grad_enabled(with_grad):  # the same (training) graph when compiled: no second compile
         hidden = model(s["features"], ids, s["position_ids"], pos, layout, s["embed"]).detach()
-        logits = hidden[:8, 1:].float() @ s["lm_head"].float().t()
+        logits = hidden[:8].float() @ s["lm_head"].float().t()
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()} if with_grad else {}
     result = dict(loss=out.loss.detach().float().cpu(), hidden=hidden.float().cpu(), logits=logits.cpu(),
                   grads=grads, seconds=seconds, tau=float(out.tau_sim))
