@@ -10,6 +10,7 @@ documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA
     python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
     python benchmarks/train_step.py --adamw-kernel torch # torch's fused AdamW instead of the Triton one
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
+    python benchmarks/train_step.py --cuda-graph         # + the step captured as a CUDA graph, replayed
 
 Run it twice with ``--compile-cache`` on a fresh machine (empty TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR) to see the cold and the cached first step.
