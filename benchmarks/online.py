@@ -3,7 +3,8 @@ back to back, and the whole pipeline (pack:random -> extract -> train) through t
 
     python benchmarks/online.py                                   # Qwen3-8B dims, 8,192-token rows
     python benchmarks/online.py --preset qwen3-32b --layers 1,16,31,46,61 --rows 12
-    python benchmarks/online.py --device cpu --preset tiny        # smoke test
+    python benchmarks/online.py --device cpu --preset tiny --rows 4 --warmup 1 --anchors 32 --tokens 512
+                                                                  # smoke test (~1 min; the defaults take >15)
     python benchmarks/online.py --tokens 16384 --attn both --target-only   # sdpa vs packed_flex
 
 Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target forward =
@@ -229,7 +230,9 @@ version: 1
 run_dir: {work}/run
 stages:
   pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
-  extract: {{uses: hf_hooks, after: pack, device: {args.device}, params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn}, compile: {args.compile_target}}}}}
+  extract: {{uses: hf_hooks, after: pack, device: {args.device},
+            params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn},
+                      compile: {args.compile_target}}}}}
   train: {{uses: dflash, after: extract, device: {args.train_device or args.device},
           params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
 """

@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", required=True, help="exported drafter directory")
     ap.add_argument("--target", default=None, help="default: recorded in the export, else smollm2")
-    ap.add_argument("--prompts", default=None, help="default: recorded held-out set, else pipelines/data/default/heldout.jsonl")
+    ap.add_argument("--prompts", default=None,
+                    help="default: recorded held-out set, else pipelines/data/default/heldout.jsonl")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default=None)

@@ -119,10 +119,12 @@ def render_table(report: Mapping[str, Any]) -> Any:
                  f"{ng.get('drafted', '-')} / {ng.get('accepted', '-')}")
     head.add_row("cycles", str(report.get("cycles")), str(ng.get("cycles", "-")))
     head.add_row("lossless (= target greedy)",
-                 Text("yes" if report.get("lossless") else "NO", style="green" if report.get("lossless") else "bold red"),
+                 Text("yes" if report.get("lossless") else "NO",
+                      style="green" if report.get("lossless") else "bold red"),
                  "")
     hist = report.get("tau_histogram") or []
-    head.add_row("τ histogram 1..B", " ".join(str(h) for h in hist[1:]), " ".join(str(h) for h in ng.get("tau_histogram", [])[1:]))
+    head.add_row("τ histogram 1..B", " ".join(str(h) for h in hist[1:]),
+                 " ".join(str(h) for h in ng.get("tau_histogram", [])[1:]))
     parts: list[Any] = [head]
     rows = report.get("per_prompt") or []
     if rows:

@@ -168,9 +168,10 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     _check_shapes(target, drafter, embed)
     draft_fn = dflash_drafter(drafter, embed, head)
     per_prompt, mismatches = [], []
-    tot = {"full_accepted": 0, "full_cycles": 0, "ng_full_accepted": 0, "ng_full_cycles": 0, "drafted": 0, "accepted": 0, "cycles": 0, "generated": 0,
-           "ng_drafted": 0, "ng_accepted": 0, "ng_cycles": 0, "sim_blocks": 0, "sim_tau_sum": 0.0, "all_blocks": 0, "all_tau_sum": 0.0,
-           "sim_loss_sum": 0.0, "sim_acc_sum": 0.0}
+    tot = {"full_accepted": 0, "full_cycles": 0, "ng_full_accepted": 0, "ng_full_cycles": 0, "drafted": 0,
+           "accepted": 0, "cycles": 0, "generated": 0, "ng_drafted": 0, "ng_accepted": 0, "ng_cycles": 0,
+           "sim_blocks": 0, "sim_tau_sum": 0.0, "all_blocks": 0, "all_tau_sum": 0.0, "sim_loss_sum": 0.0,
+           "sim_acc_sum": 0.0}
     hist = [0] * (B + 1)
     hist_ng = [0] * (B + 1)
     timing = {"greedy_s": 0.0, "spec_s": 0.0, "ngram_s": 0.0, "tau_sim_s": 0.0}
@@ -184,8 +185,9 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
         timing["spec_s"] += t2 - t1
         fa = [a for a, f in zip(res.accepted, res.full) if f]
         row: dict[str, Any] = {"index": i, "prompt_tokens": len(prompt), "generated": len(ref),
-                               "tau": _mean_tau(sum(fa), len(fa)) if fa else res.mean_tau, "cycles": res.cycles, "drafted": sum(res.drafted),
-                               "accepted": sum(res.accepted), "tau_histogram": tau_histogram(res.accepted, B)}
+                               "tau": _mean_tau(sum(fa), len(fa)) if fa else res.mean_tau, "cycles": res.cycles,
+                               "drafted": sum(res.drafted), "accepted": sum(res.accepted),
+                               "tau_histogram": tau_histogram(res.accepted, B)}
         bad = first_mismatch(ref, res.tokens)
         row["lossless"] = bad is None
         if bad is not None:

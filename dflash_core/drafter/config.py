@@ -185,7 +185,8 @@ class DrafterConfig:
             max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
             num_target_layers=d["num_target_layers"], num_layers=d["num_hidden_layers"],
             block_size=dc.get("block_size", d.get("block_size")), target_layer_ids=list(dc["target_layer_ids"]),
-            mask_token_id=dc["mask_token_id"], layer_types=list(d.get("layer_types") or [FULL] * d["num_hidden_layers"]),
+            mask_token_id=dc["mask_token_id"],
+            layer_types=list(d.get("layer_types") or [FULL] * d["num_hidden_layers"]),
             sliding_window=d.get("sliding_window"), rope=rope,
         )
         cfg.validate()

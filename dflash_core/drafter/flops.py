@@ -20,7 +20,7 @@ def training_flops(cfg: DrafterConfig, num_tokens: int, num_anchors: int,
     (``lm_head_rows`` replaces N(B-1) to count only the rows actually computed);
     step = 3*(fc + ctx_kv + block + attn) + 2*lm_head (the frozen LM head has no weight gradient).
     """
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size  # noqa: E741 (the paper's names)
     nh, nkv, d, n, B = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_layers, cfg.block_size
     T, N = int(num_tokens), int(num_anchors)
     Q, F = N * B, len(cfg.target_layer_ids) * H

@@ -25,7 +25,8 @@ def _rope(x: torch.Tensor, pos: list[int], theta: float) -> torch.Tensor:
 def reference_block_logits(model, features, input_ids, position_ids, doc_ids, anchors, E, W):
     """[N, B-1, V] logits of slots 1..B-1, one block at a time."""
     cfg = model.config
-    B, eps, nh, nkv, d = cfg.block_size, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    B, eps = cfg.block_size, cfg.rms_norm_eps
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     theta = cfg.rope_parameters("full_attention")["rope_theta"]
     P = dict(model.named_parameters())
     ctx_all = _rms(features @ P["fc.weight"].T, P["hidden_norm.weight"], eps)

@@ -28,4 +28,5 @@ def test_draft_block_without_context_needs_a_position():
     model = make_drafter()
     with pytest.raises(ValueError):
         draft_block(model, r["features"][:0], r["position_ids"][:0], 3, r["E"], r["W"])
-    assert draft_block(model, r["features"][:0], r["position_ids"][:0], 3, r["E"], r["W"], last_position=0).shape == (3,)
+    empty = draft_block(model, r["features"][:0], r["position_ids"][:0], 3, r["E"], r["W"], last_position=0)
+    assert empty.shape == (3,)

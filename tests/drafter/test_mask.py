@@ -101,7 +101,8 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
     anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], 10, torch.Generator().manual_seed(1))
     ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, 63)
     with torch.no_grad():
-        outs = [model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend=b) for b in ("sdpa", "flex")]
+        outs = [model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend=b)
+                for b in ("sdpa", "flex")]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 

@@ -5,7 +5,8 @@ from reference import reference_block_logits, reference_loss
 
 from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
 
-SLIDING = dict(layer_types=["full_attention", "sliding_attention"], config_kw=dict(use_sliding_window=True, sliding_window=3))
+SLIDING = dict(layer_types=["full_attention", "sliding_attention"],
+               config_kw=dict(use_sliding_window=True, sliding_window=3))
 
 
 def _setup(seed=0, n=6, **kw):
@@ -79,7 +80,8 @@ def test_metrics_match_explicit_count():
 
 
 def _target_hidden_and_expected(model, r, anchors, docs, th):
-    logits = reference_block_logits(model, r["features"], r["input_ids"], r["position_ids"], docs, anchors, r["E"], r["W"])
+    logits = reference_block_logits(model, r["features"], r["input_ids"], r["position_ids"], docs, anchors,
+                                    r["E"], r["W"])
     num_ce = num_kl = den = 0.0
     for n, a in enumerate(anchors.tolist()):
         for k in range(1, 4):

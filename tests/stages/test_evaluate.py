@@ -219,7 +219,8 @@ def test_cli_without_target_recorded_is_a_config_error(served, cli, tmp_path):
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(served["target"])
-    export = export_drafter(DFlashDrafter(cfg, num_layers=1, block_size=B, target_layer_ids=[1], mask_token_id=151669), tmp_path / "e")
+    drafter = DFlashDrafter(cfg, num_layers=1, block_size=B, target_layer_ids=[1], mask_token_id=151669)
+    export = export_drafter(drafter, tmp_path / "e")
     r = cli("evaluate", export, "--prompts", served["heldout"])
     assert r.code == 2 and "no target recorded" in r.text
 
