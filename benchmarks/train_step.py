@@ -203,14 +203,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
     med = statistics.median(times)
     tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
-    # steady state: the same number of steps back to back with no sync between them, as the
-    # trainer runs (its host prepares the next step while the GPU finishes this one)
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync(dev)
-    steady = (time.perf_counter() - t0) / args.steps
+    steady = back_to_back_s(step, dev, args.steps)
     log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
         f"host syncs per step: {host_syncs}; host time per step: {host if host is None else round(host, 1)} ms")
     graphed = cuda_graph_compare(args, s, opt, compiled, steady) if args.cuda_graph else None
@@ -321,12 +314,7 @@ def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.o
     syncs = count_host_syncs(gstep, dev)
     host = host_ms(gstep, dev)
     alone = median_ms(gstep, dev, warmup=2, reps=args.steps)
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        gstep()
-    sync(dev)
-    steady = (time.perf_counter() - t0) / args.steps
+    steady = back_to_back_s(gstep, dev, args.steps)
     res = dict(capture_s=capture_s, alone_ms=alone, steady_ms=steady * 1e3, eager_steady_ms=eager_steady * 1e3,
                host_ms=host, host_syncs=syncs, loss_max_abs_diff=loss_diff, weight_max_abs_diff=weight_diff,
                eager_losses=[float(x) for x in eager_losses], graph_losses=[float(x) for x in graph_losses],
@@ -336,6 +324,17 @@ def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.o
         f"loss max |diff| {loss_diff:.3g}, weights max |diff| {weight_diff:.3g}; "
         f"peak since capture {res['peak_gib_from_capture']:.1f} GiB")
     return res
+
+
+def back_to_back_s(step: Callable[[], Any], dev: torch.device, n: int) -> float:
+    """Seconds per step of ``n`` steps back to back with no sync between them, as the trainer
+    runs (its host prepares the next step while the GPU finishes this one): the steady state."""
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync(dev)
+    return (time.perf_counter() - t0) / n
 
 
 def count_host_syncs(step: Callable[[], Any], dev: torch.device) -> int | None:
