@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 from functools import lru_cache
+from typing import Any
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
@@ -34,6 +35,18 @@ def triton_installed() -> bool:
     """Whether our Triton kernels (AdamW, the loss chunk) can be used on CUDA: triton is importable
     (CUDA builds of torch bring it; checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def peak_gib(device: Any) -> float | None:
+    """Peak memory torch allocated on ``device`` so far, in GiB (None off CUDA): the figure to
+    compare with the GPU's size when placing stages (the CUDA context and the allocator's cache
+    come on top)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
 
 
 def expand_rank(spec: str) -> str:

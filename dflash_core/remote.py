@@ -16,14 +16,17 @@ which restores the order of rows dealt out rank by rank (row r to producer r mod
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from dflash_core.links import Channel, ConsumerClosed, StopRun
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+log = logging.getLogger("dflash_pipe.remote")
 
 
 def make_groups(rank_sets: list[tuple[int, ...]]) -> None:
@@ -137,6 +140,7 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
     live = list(sources)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    stats: dict[str, TransferStats] = {}  # by the items' "kind" (a target header is not a row)
     try:
         while live:
             for src, pair in list(live):
@@ -149,6 +153,9 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
                 raw = torch.empty(n, dtype=torch.uint8)
                 dist.recv(raw, src, group=pair)
                 structure = pickle.loads(raw.numpy().tobytes())
+                # the sender follows the header with the tensors at once: from here until they
+                # have landed is the transfer itself, not the wait for the producer's next item
+                started = time.perf_counter()
                 tensors = []
                 for slot in slots(structure):
                     t = torch.empty(slot.shape, dtype=slot.dtype, device=device if slot.cuda else "cpu")
@@ -156,10 +163,37 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
                     tensors.append(t)
                 if any(t.is_cuda for t in tensors):
                     torch.cuda.current_stream(torch.device(device)).synchronize()
+                kind = structure.get("kind", "item") if isinstance(structure, dict) else "item"
+                stats.setdefault(str(kind), TransferStats()).add(
+                    sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - started)
                 channel.put(decode(structure, tensors))
         channel.close()
     except (ConsumerClosed, StopRun):
         pass
+    for kind, kind_stats in stats.items():
+        log.info("received %d %s items from ranks %s: %s", kind_stats.items, kind, [src for src, _ in sources],
+                 kind_stats)
+
+
+@dataclass
+class TransferStats:
+    """Bytes and seconds of the tensors of the items a receiver took in (the transfer time per row
+    that a layout must hide behind the target's forward)."""
+
+    items: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.items += 1
+        self.nbytes += nbytes
+        self.seconds += seconds
+
+    def __str__(self) -> str:
+        per_item = self.seconds / self.items
+        rate = self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return (f"{self.nbytes / self.items / 1e6:.4g} MB of tensors each, {per_item * 1e3:.2f} ms per item "
+                f"({rate:.3g} GB/s)")
 
 
 def start_thread(target: Any, *args: Any, name: str) -> threading.Thread:

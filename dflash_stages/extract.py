@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
-from dflash_core.devices import check_compile_setting, compile_wanted
+from dflash_core.devices import check_compile_setting, compile_wanted, peak_gib
 
 
 @dataclass
@@ -94,5 +94,5 @@ class HFHooksExtract(Stage):
             tokens += T
             ctx.progress(1, unit="rows", tokens=T)
             yield {**row, "kind": "row", "features": feats, "last_hidden": last}
-        ctx.summary.update(rows=rows, tokens=tokens, layers=ids)
+        ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device))
 

@@ -101,9 +101,14 @@ class DFlashTrain(Stage):
     def report(cls, summary: dict[str, Any]) -> Any:
         if "steps" not in summary:
             return None
-        return (f"train: {summary['steps']} steps, loss {summary.get('loss', float('nan')):.4f}, "
+        line = (f"train: {summary['steps']} steps, loss {summary.get('loss', float('nan')):.4f}, "
                 f"accuracy {summary.get('acc', float('nan')):.4f}, "
                 f"tau_sim {summary.get('tau_sim', float('nan')):.3f}")
+        if summary.get("peak_gib") is not None:
+            line += f", peak {summary['peak_gib']:.1f} GiB"
+        if "replicas" in summary:
+            line += f", {summary['replicas']} replicas {'equal' if summary['replicas_equal'] else 'DIFFER'}"
+        return line
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         from dflash_stages.trainer import Trainer

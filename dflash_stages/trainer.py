@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any, Iterator
@@ -9,7 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_core import StageContext
-from dflash_core.devices import compile_wanted
+from dflash_core.devices import compile_wanted, peak_gib
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
 from dflash_core.drafter.attention import flex_kernel_options
 from dflash_core.drafter.optim import adamw, clipped_step
@@ -177,7 +178,9 @@ class Trainer:
         if window:
             self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
-        ctx.summary.update(steps=self.step)
+        ctx.summary.update(steps=self.step, peak_gib=peak_gib(self.device))
+        if self.distributed:
+            self._check_replicas()
         if self.tb is not None:
             self.tb.close()
         yield self.snapshot(final=True)
@@ -227,6 +230,20 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return grad_norm, lr
 
+    def _check_replicas(self) -> None:
+        """Data-parallel replicas must end with equal weights: compare every rank's weights_digest
+        (32 bytes each move, not the weights) and put the verdict in the summary."""
+        import torch.distributed as dist
+
+        mine = torch.frombuffer(bytearray(weights_digest(self.model)), dtype=torch.uint8).to(self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        distinct = len({bytes(d.cpu().tolist()) for d in every})
+        self.ctx.summary.update(replicas=len(every), replicas_equal=distinct == 1)
+        if distinct > 1:
+            self.ctx.logger.error("the %d drafter replicas differ after %d steps (%d distinct weight sets)",
+                                  len(every), self.step, distinct)
+
     def _log(self, window: list[dict[str, torch.Tensor]], grad_norm: torch.Tensor | float, lr: float,
              tps: float) -> None:
         if not window:
@@ -267,6 +284,14 @@ class Trainer:
                          "heldout": os.path.abspath(self.cfg.heldout) if self.cfg.heldout else None,
                          "metrics": self.metrics_file, "step": self.step},
         }
+
+
+def weights_digest(model: torch.nn.Module) -> bytes:
+    """SHA-256 of every parameter's bytes in order: equal exactly when the weights are."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.digest()
 
 
 def _borrow(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ process running every stage ends.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,12 @@ def test_two_extract_ranks_feed_one_drafter_like_one_process(tmp_path: Path, tar
         assert torch.equal(a["model"][k], b["model"][k]), f"fan-in drafter differs on {k}"
     metrics = [json.loads(x) for x in (fan_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["tokens"] for m in metrics] == [64 * s for s in (2, 4, 6, 8)]
+    # the drafter rank says what arrived and how fast: 8 rows, each row's tensors counted
+    received = re.findall(r"received (\d+) row items from ranks \[0, 1\]: ([\d.]+) MB of tensors each, "
+                          r"([\d.]+) ms per item", log.read_text())
+    assert len(received) == 1 and received[0][0] == "8", received
+    # a row's only tensor is its features: 64 tokens x 3 layers x hidden 64, float32 on CPU
+    assert float(received[0][1]) * 1e6 == pytest.approx(64 * 3 * 64 * 4, rel=1e-3)
 
 
 def test_route_deals_producers_round_robin():

@@ -316,6 +316,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path, target: Path) -> None:
     for k in r0:
         assert torch.equal(r0[k], r1[k]), f"ranks disagree on {k}"
         assert torch.equal(r0[k], b[k]), f"checkpoint is not rank 0's {k}"
+    # each rank's report says so too (the check the trainer makes on GPUs, where no rank dumps)
+    assert log.read_text().count("2 replicas equal") == 2
 
 
 # -------------------------------------------------------------- resume with nothing saved
@@ -332,3 +334,19 @@ def test_resume_without_checkpoint_starts_from_the_beginning(tmp_path: Path, tar
     assert "no complete checkpoint found: starting from the beginning" in res.text
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert latest(run_dir).name == "step-0000006"
+
+
+def test_weights_digest_tells_equal_weights_from_one_ulp_apart() -> None:
+    """The replica check compares these digests instead of the weights themselves."""
+    from dflash_stages.trainer import weights_digest
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+
+    a, b = model(), model()
+    assert weights_digest(a) == weights_digest(b) and len(weights_digest(a)) == 32
+    with torch.no_grad():
+        b[1].weight.view(torch.int16)[3, 5] += 1  # the neighbouring bf16 value
+    assert not torch.equal(a[1].weight, b[1].weight)
+    assert weights_digest(a) != weights_digest(b)
