@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
+from dflash_core.compile_gate import GATE
 from dflash_core.devices import check_compile_setting, compile_wanted, peak_gib
 
 
@@ -86,7 +87,8 @@ class HFHooksExtract(Stage):
         rows = tokens = 0
         for row in inputs["rows"]:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                feats, last = capture.capture_row(row)
+                with GATE.call(ctx.stage, len(row["input_ids"])):  # a new row length may compile
+                    feats, last = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()
             T = feats.shape[0]

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_core import StageContext
+from dflash_core.compile_gate import GATE
 from dflash_core.devices import compile_wanted, peak_gib
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
 from dflash_core.drafter.attention import flex_kernel_options
@@ -150,7 +151,9 @@ class Trainer:
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         for row in rows:
             total = total or self.total_steps(row)
-            stats = self._forward_backward(row, micro)
+            # the first row of a length compiles (forward, then backward inside it): alone
+            with GATE.call(ctx.stage, int(row["features"].shape[0])):
+                stats = self._forward_backward(row, micro)
             self.tokens_seen += int(row["features"].shape[0])
             micro += 1
             if stats is not None:

@@ -1,0 +1,103 @@
+"""The compile gate: a call that may compile runs alone; warm calls run side by side."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dflash_core.compile_gate import CompileGate
+
+
+def _traced_while(events: list[str], inside: threading.Event, release: threading.Event, gate=None):
+    """Hold FX tracing open (the flag a lazy backward compile sets) until ``release``."""
+    def body(y):
+        inside.set()
+        release.wait(30)
+        return y + 1
+
+    def run():
+        if gate is None:
+            torch.fx.symbolic_trace(body)
+        else:
+            with gate.call("train", 8192):
+                torch.fx.symbolic_trace(body)
+        events.append("traced")
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert inside.wait(30)
+    return t
+
+
+def _call(fn, events: list[str], gate=None) -> threading.Thread:
+    def run():
+        try:
+            if gate is None:
+                fn()
+            else:
+                with gate.call("extract", 8192):
+                    fn()
+            events.append("called")
+        except RuntimeError as e:
+            events.append(f"refused: {e}")
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_compiled_call_waits_for_a_call_that_may_compile():
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    x = torch.ones(3)
+    f(x)
+    gate = CompileGate()
+    with gate.call("extract", 8192):  # the target's first row: cold, alone, then warm
+        f(x)
+    assert gate.is_warm("extract", 8192) and not gate.is_warm("extract", 4096)
+
+    # without the gate the hazard is real: the other thread's compiled call is refused
+    events: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+    tracer = _traced_while(events, inside, release)
+    _call(lambda: f(x), events).join(30)
+    release.set()
+    tracer.join(30)
+    assert len(events) == 2 and events[0].startswith("refused: Detected that you are using FX"), events
+
+    # with it, the warm call waits until the cold one is done, then runs
+    events, inside, release = [], threading.Event(), threading.Event()
+    tracer = _traced_while(events, inside, release, gate)
+    caller = _call(lambda: f(x), events, gate)
+    time.sleep(0.2)  # give the caller the chance to run early (it must not)
+    release.set()
+    tracer.join(30)
+    caller.join(30)
+    assert events == ["traced", "called"]
+    assert gate.is_warm("train", 8192)
+
+
+def test_warm_calls_run_side_by_side_and_a_failed_cold_call_stays_cold():
+    gate = CompileGate()
+    for party in ("a", "b"):
+        with gate.call(party):
+            pass
+    both_in = threading.Barrier(2, timeout=10)  # each waits inside its call for the other
+
+    def warm(party: str) -> None:
+        with gate.call(party):
+            both_in.wait()
+
+    threads = [threading.Thread(target=warm, args=(p,)) for p in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not both_in.broken
+
+    with pytest.raises(ValueError):
+        with gate.call("a", "new shape"):
+            raise ValueError("compile failed")
+    assert not gate.is_warm("a", "new shape")
