@@ -15,13 +15,15 @@ tokens / step time), ``mt`` / ``md`` = their peak GiB. Layouts on G GPUs of one 
   (conservative: the two overlap on one GPU, docs/benchmarks.md measured 7% and 19% faster).
 - **one GPU alone**: colocated with G = 1, for reference.
 
-Drafter replicas all-reduce their gradients once per step; that cost is left out of every
-layout. Feature rows (T x k x H elements) cross a link in pairs and fan-in: hidden behind the
-stages as long as each drafter GPU's link is busy less than all of the time, i.e. a row's copy
-takes less than the time between two rows reaching that GPU (for pairs: less than the slower
-stage's time per row). When it is not, the layout is link-bound and its rate is capped by the
-link. Rows queued in the stream link between extract and train (``queued_rows``) sit on the
-GPU that produced them and are added to its memory.
+Drafter replicas all-reduce their gradients once per step; its time is left out of every layout,
+its memory is not: with several replicas each drafter GPU also holds the float32 copy of all
+gradients that the trainer all-reduces (``allreduce_gib``). Feature rows (T x k x H elements)
+cross a link in pairs and fan-in: hidden behind the stages as long as each drafter GPU's link is
+busy less than all of the time, i.e. a row's copy takes less than the time between two rows
+reaching that GPU (for pairs: less than the slower stage's time per row). When it is not, the
+layout is link-bound and its rate is capped by the link. Rows queued in the stream link between
+extract and train (``queued_rows``) sit on the GPU that produced them and are added to its
+memory; in fan-in as many again wait on the drafter GPU, in the receiving rank's queue.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class PlanInputs:
     link_gbps: float = DEFAULT_LINK_GBPS
     queued_rows: int = 0
     """Feature rows a stream link may hold on the extract GPU (the engine's queue bound)."""
+    allreduce_gib: float | None = None
+    """GiB the gradient all-reduce adds to each drafter GPU when there are several replicas (a
+    float32 copy of every gradient: 4 bytes x drafter parameters); None = unknown, not added."""
 
     def __post_init__(self) -> None:
         if not (self.target_tok_s > 0 and self.drafter_tok_s > 0):
@@ -63,7 +68,7 @@ class PlanInputs:
             raise ValueError("overlap must be > 0")
         if self.link_gbps <= 0:
             raise ValueError("link GB/s must be > 0")
-        for name in ("target_gib", "drafter_gib", "gpu_gib"):
+        for name in ("target_gib", "drafter_gib", "gpu_gib", "allreduce_gib"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -72,6 +77,10 @@ class PlanInputs:
     def transfer_s(self) -> float | None:
         """Seconds to copy one row's features over the link."""
         return None if self.row_bytes is None else self.row_bytes / (self.link_gbps * 1e9)
+
+    def replicas_gib(self, replicas: int) -> float:
+        """What data parallelism adds to each drafter GPU: the all-reduce's copy, if several."""
+        return (self.allreduce_gib or 0.0) if replicas > 1 else 0.0
 
     @property
     def queue_gib(self) -> float:
@@ -162,9 +171,11 @@ def _add(a: float | None, b: float) -> float | None:
     return None if a is None else a + b
 
 
-def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str) -> Layout:
+def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str,
+             received_queue: bool = False) -> Layout:
     """n target GPUs streaming into m drafter GPUs, each group working in parallel:
-    min(n * rt, m * rd), capped by the drafter GPUs' links when the copy is not hidden."""
+    min(n * rt, m * rd), capped by the drafter GPUs' links when the copy is not hidden.
+    ``received_queue``: rows also queue on the drafter GPU (another rank receives them)."""
     t_side, d_side = n * inp.target_tok_s, m * inp.drafter_tok_s
     rate = min(t_side, d_side)
     bound = "balanced" if t_side == d_side else "target" if t_side < d_side else "drafter"
@@ -176,7 +187,8 @@ def streamed(inp: PlanInputs, name: str, kind: str, n: int, m: int, how: str) ->
         transfer_ms = ts * 1e3
         if link_busy > 1.0:  # the link cannot keep up: rows reach each drafter GPU at 1/ts
             rate, bound = m * inp.row_tokens / ts, "link"
-    memory = (("target", _add(inp.target_gib, inp.queue_gib)), ("drafter", inp.drafter_gib))
+    drafter = _add(inp.drafter_gib, inp.replicas_gib(m) + (inp.queue_gib if received_queue else 0.0))
+    memory = (("target", _add(inp.target_gib, inp.queue_gib)), ("drafter", drafter))
     return Layout(name=name, kind=kind, gpus=n + m, target_gpus=n, drafter_gpus=m, tokens_per_s=rate,
                   bound=bound, memory=memory, fits=_fits(memory, inp.gpu_gib), transfer_ms=transfer_ms,
                   link_busy=link_busy, how=how)
@@ -186,7 +198,7 @@ def colocated(inp: PlanInputs, gpus: int, name: str = "colocated", kind: str = "
     """Target forward and drafter step back to back on each GPU (times ``overlap``)."""
     rate = inp.overlap * gpus / (1.0 / inp.target_tok_s + 1.0 / inp.drafter_tok_s)
     both = None if inp.target_gib is None or inp.drafter_gib is None else (
-        inp.target_gib + inp.drafter_gib + inp.queue_gib)
+        inp.target_gib + inp.drafter_gib + inp.queue_gib + inp.replicas_gib(gpus))
     memory = (("target + drafter", both),)
     if kind == "single":
         how = "dflash-pipe run, extract and train on the same device"
@@ -217,7 +229,7 @@ def fan_in(inp: PlanInputs, n: int, m: int) -> Layout:
         raise ValueError(f"fan-in {n}→{m} is not valid: needs N >= M >= 1 and N a multiple of M")
     how = (f"torchrun --nproc_per_node {n + m}; pack and extract with ranks: {_ranks(0, n)}, train and "
            f"checkpoint with ranks: {_ranks(n, m)}; every device cuda:{{local_rank}}")
-    return streamed(inp, f"fan-in {n}→{m}", "fan_in", n, m, how)
+    return streamed(inp, f"fan-in {n}→{m}", "fan_in", n, m, how, received_queue=True)
 
 
 def _pick(layouts: list[Layout]) -> Layout | None:
@@ -243,8 +255,10 @@ def plan(inp: PlanInputs, gpus: int) -> Plan:
                   fan_in_excluded=tuple(excluded))
     candidates = result.candidates()
     best = _pick(candidates)
-    notes = ["drafter replicas all-reduce gradients once per step: not counted (colocated pays it on every "
-             "GPU's busy path, fan-in N→1 not at all; docs/multi_gpu.md)",
+    allreduce = ("its float32 gradient copy is in the memory" if inp.allreduce_gib is not None
+                 else "its float32 gradient copy (4 bytes per drafter parameter) is not in the memory either")
+    notes = ["drafter replicas all-reduce gradients once per step: its time is not counted (colocated pays it "
+             f"on every GPU's busy path, fan-in N→1 not at all; docs/multi_gpu.md); {allreduce}",
              f"colocated = back to back × {inp.overlap:g}: on one H200 the pipeline ran 1.08× (8B dims) and "
              "1.23× (32B dims) back to back (docs/benchmarks.md); --overlap F credits that"]
     if any(x.link_busy is not None and x.link_busy > 1 for x in candidates):

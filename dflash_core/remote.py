@@ -20,6 +20,7 @@ import logging
 import pickle
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,8 +139,12 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
     import torch.distributed as dist
 
     live = list(sources)
+    stream = None
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        # receive on a stream of our own: waiting on the device's current stream would also wait
+        # for the drafter's step queued there, holding the row back and inflating the transfer time
+        stream = torch.cuda.Stream(torch.device(device))
     stats: dict[str, TransferStats] = {}  # by the items' "kind" (a target header is not a row)
     try:
         while live:
@@ -157,12 +162,13 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
                 # have landed is the transfer itself, not the wait for the producer's next item
                 started = time.perf_counter()
                 tensors = []
-                for slot in slots(structure):
-                    t = torch.empty(slot.shape, dtype=slot.dtype, device=device if slot.cuda else "cpu")
-                    dist.recv(t, src, group=pair)
-                    tensors.append(t)
-                if any(t.is_cuda for t in tensors):
-                    torch.cuda.current_stream(torch.device(device)).synchronize()
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    for slot in slots(structure):
+                        t = torch.empty(slot.shape, dtype=slot.dtype, device=device if slot.cuda else "cpu")
+                        dist.recv(t, src, group=pair)
+                        tensors.append(t)
+                if stream is not None and any(t.is_cuda for t in tensors):
+                    stream.synchronize()  # landed: the consumer reads them on its own stream
                 kind = structure.get("kind", "item") if isinstance(structure, dict) else "item"
                 stats.setdefault(str(kind), TransferStats()).add(
                     sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - started)

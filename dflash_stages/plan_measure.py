@@ -53,6 +53,8 @@ class Measured:
     hidden_size: int
     feature_rows: int
     """k (+1 with last_hidden): hidden-state rows per token that cross to the drafter."""
+    drafter_params: int
+    """Trainable drafter parameters (what the replicas' all-reduce moves, in float32)."""
     gpu_gib: float | None
     """Total memory of the measuring GPU; None off CUDA."""
     compile_cache_saved: str | None = None
@@ -200,6 +202,7 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
         steps = [timed(step) for _ in range(rows)]
         step_s = statistics.median(steps)
         drafter_gib = peak_gib()
+        drafter_params = sum(p.numel() for p in trainer.model.parameters())
         compiled = bool(trainer.compiled)
         if trainer.tb is not None:
             trainer.tb.close()
@@ -212,5 +215,5 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
                     target_warmup_s=warm_t, target_ms=target_s * 1e3, target_tok_s=tokens / target_s,
                     target_gib=target_gib, drafter_warmup_s=first, drafter_ms=step_s * 1e3,
                     drafter_tok_s=per_step * tokens / step_s, drafter_gib=drafter_gib, compiled=compiled,
-                    hidden_size=hidden, feature_rows=feature_rows,
+                    hidden_size=hidden, feature_rows=feature_rows, drafter_params=drafter_params,
                     gpu_gib=gpu_gib, compile_cache_saved=saved)

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         inputs = PlanInputs(target_tok_s=rt, drafter_tok_s=rd, target_gib=mt, drafter_gib=md, gpu_gib=gpu_gib,
                             overlap=args.overlap, row_tokens=int(tokens) if tokens else None,
-                            row_bytes=row_bytes, link_gbps=args.link_gbps, queued_rows=QUEUE_BOUND)
+                            row_bytes=row_bytes, link_gbps=args.link_gbps, queued_rows=QUEUE_BOUND,
+                            allreduce_gib=4 * measured.drafter_params / GIB if measured else None)
     except ValueError as exc:
         err_console.print(f"error: {exc}")
         return EXIT_CONFIG

@@ -16,6 +16,30 @@ RT, RD = 7200.0, 23000.0
 COLOCATED_4 = 4 / (1 / RT + 1 / RD)  # 21,933.77…
 
 
+def test_memory_counts_the_allreduce_copy_and_the_received_queue_where_they_live():
+    """The H200 run at Qwen3-32B dims (docs/benchmarks.md, session 8): one-GPU peaks 62.5 GiB
+    (target) and 28.7 GiB (drafter, 2.57 B parameters), 8 queued rows of 400 MiB; measured on two
+    GPUs: colocated 104.3-104.4 GiB each, fan-in 1→1 65.2-66.4 / 32.2 GiB, pairs 65.9 / 28.7."""
+    row = 8192 * 5 * 5120 * 2
+    inp = PlanInputs(9360.0, 29970.0, target_gib=62.5, drafter_gib=28.7, row_tokens=8192, row_bytes=row,
+                     queued_rows=8, allreduce_gib=4 * 2_570_000_000 / 2**30)
+    queue, allreduce = 8 * row / 2**30, 4 * 2_570_000_000 / 2**30
+    two = plan(inp, 2)
+    assert two.single.memory == (("target + drafter", pytest.approx(62.5 + 28.7 + queue)),)  # one replica
+    assert two.colocated.memory == (("target + drafter", pytest.approx(62.5 + 28.7 + queue + allreduce)),)
+    assert two.colocated.gib_per_gpu == pytest.approx(104.3, abs=0.5)  # 103.9 predicted
+    assert two.fan_in.memory == (("target", pytest.approx(62.5 + queue)), ("drafter", pytest.approx(28.7 + queue)))
+    assert two.pairs.memory == (("target", pytest.approx(62.5 + queue)), ("drafter", 28.7))
+    four = plan(inp, 4)  # two replicas: each drafter GPU also holds the all-reduce's copy
+    assert four.pairs.memory[1] == ("drafter", pytest.approx(28.7 + allreduce))
+    assert dict(four.fan_in_splits[1].memory)["drafter"] == pytest.approx(28.7 + queue + allreduce)
+    assert four.fan_in_splits[1].name == "fan-in 2→2"
+    assert dict(four.fan_in.memory)["drafter"] == pytest.approx(28.7 + queue)  # 3→1: one replica
+    unknown = plan(PlanInputs(9360.0, 29970.0, target_gib=62.5, drafter_gib=28.7), 2)
+    assert unknown.colocated.gib_per_gpu == pytest.approx(62.5 + 28.7)
+    assert any("not in the memory either" in n for n in unknown.notes)
+
+
 def test_model_on_four_gpus_recommends_colocated():
     p = plan(PlanInputs(RT, RD, target_gib=60.0, drafter_gib=20.0), 4)
     assert p.pairs.tokens_per_s == 14400.0
