@@ -146,7 +146,7 @@ def test_cli_with_given_rates_prints_every_layout_and_the_recommendation(cli, wr
     assert "recommended: colocated — 21,934 tokens/s on 4 GPUs" in res.out
     # the feature row of 8,192 tokens x 5 layers x 5120 x bf16, and its copy at 100 GB/s
     assert "8,192 tokens × 5 × 5120 × 2 B = 400.0 MiB; copy 4.2 ms at 100 GB/s" in res.out
-    assert "all-reduce" in res.out and "no torchrun layout has been measured on GPUs" in res.out
+    assert "all-reduce" in res.out and "no 4-GPU run yet" in res.out
 
     # colocated (83.1 GiB) does not fit in 80: fan-in is recommended
     res = cli("plan", path, "--rates", "7200,23000", "--memory", "60,20", "--gpus", "4", "--gpu-memory", "80")
