@@ -6,10 +6,14 @@ drafter's first backward was compiled (lazily, inside ``backward()``), FX tracin
 the target's compiled forward in the other thread refused to run ("Detected that you are using
 FX to symbolically trace a dynamo-optimized function"), failing the run at start-up.
 
-So each stage makes its calls into compiled code inside ``GATE.call(party, key)``. A party's first
-call with a given ``key`` (a new input shape: it may compile) waits for the calls in flight and
-runs alone; every later call runs side by side with the others' as before, at the cost of one
-lock round trip. A call that raised stays cold: its retry runs alone again.
+So each stage that runs compiled code makes its calls inside ``GATE.call(party, key)``, ``key``
+being the input shape that may change (the row length). A call with a key its party has not
+completed yet may compile: it waits for the calls in flight and runs alone. Every other call runs
+side by side with the others', as before, at the cost of one lock round trip. Rows of many
+lengths would make every call a new key, so a party's calls stop being held alone once it has
+completed as many keys as torch._dynamo recompiles a function at most (``recompile_limit``, 8):
+by then each compiled function has gone shape-dynamic or stopped compiling. A call that raised
+does not count as completed.
 """
 
 from __future__ import annotations
@@ -19,15 +23,27 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 
+def _recompile_limit() -> int:
+    """How many graphs torch._dynamo compiles for one function before it stops (8 by default)."""
+    import torch._dynamo.config as config
+
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
+
+
 class CompileGate:
-    def __init__(self) -> None:
+    def __init__(self, cold_keys: int | None = None) -> None:
+        self._cold_keys = cold_keys  # None: torch._dynamo's recompile limit, read at first use
         self._cond = threading.Condition()
         self._in_flight = 0  # warm calls running now
         self._alone = False  # a cold call is running
-        self._warm: set[tuple[str, Hashable]] = set()
+        self._done: dict[str, set[Hashable]] = {}  # keys each party has completed
 
     def is_warm(self, party: str, key: Hashable = None) -> bool:
-        return (party, key) in self._warm
+        """Whether a call of ``party`` with ``key`` can run beside others (it will not compile)."""
+        if self._cold_keys is None:
+            self._cold_keys = _recompile_limit()
+        done = self._done.get(party, set())
+        return key in done or len(done) >= self._cold_keys
 
     @contextmanager
     def call(self, party: str, key: Hashable = None) -> Iterator[None]:
@@ -48,8 +64,7 @@ class CompileGate:
                 else:
                     self._in_flight -= 1
                 self._cond.notify_all()
-        if cold:
-            self._warm.add((party, key))
+        self._done.setdefault(party, set()).add(key)
 
 
 GATE = CompileGate()

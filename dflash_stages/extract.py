@@ -87,7 +87,8 @@ class HFHooksExtract(Stage):
         rows = tokens = 0
         for row in inputs["rows"]:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                with GATE.call(ctx.stage, len(row["input_ids"])):  # a new row length may compile
+                # a new row length may compile: alone (compile_gate.py); uncompiled code needs no gate
+                with GATE.call(ctx.stage, len(row["input_ids"])) if compiled else nullcontext():
                     feats, last = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()

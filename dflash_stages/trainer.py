@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -151,8 +152,9 @@ class Trainer:
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         for row in rows:
             total = total or self.total_steps(row)
-            # the first row of a length compiles (forward, then backward inside it): alone
-            with GATE.call(ctx.stage, int(row["features"].shape[0])):
+            # a new row length may compile (the forward, then the backward inside it): alone
+            gate = GATE.call(ctx.stage, int(row["features"].shape[0])) if self.compiled else nullcontext()
+            with gate:
                 stats = self._forward_backward(row, micro)
             self.tokens_seen += int(row["features"].shape[0])
             micro += 1

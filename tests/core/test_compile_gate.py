@@ -101,3 +101,16 @@ def test_warm_calls_run_side_by_side_and_a_failed_cold_call_stays_cold():
         with gate.call("a", "new shape"):
             raise ValueError("compile failed")
     assert not gate.is_warm("a", "new shape")
+
+
+def test_a_party_is_warm_for_any_key_after_the_recompile_limit():
+    """Rows of many lengths: past the limit torch._dynamo compiles no more for them, so the
+    calls go back to running side by side."""
+    gate = CompileGate(cold_keys=3)
+    for length in (8100, 8150, 8192):
+        assert not gate.is_warm("train", length)
+        with gate.call("train", length):
+            pass
+        assert gate.is_warm("train", length)
+    assert gate.is_warm("train", 8000) and not gate.is_warm("extract", 8000)
+    assert CompileGate().is_warm("x", 1) is False  # default limit: torch._dynamo.config.recompile_limit
