@@ -6,8 +6,9 @@ drafter's first backward was compiled (lazily, inside ``backward()``), FX tracin
 the target's compiled forward in the other thread refused to run ("Detected that you are using
 FX to symbolically trace a dynamo-optimized function"), failing the run at start-up.
 
-So each stage that runs compiled code makes its calls inside ``GATE.call(party, key)``, ``key``
-being the input shape that may change (the row length). A call with a key its party has not
+So each stage makes its calls inside ``GATE.call(party, key, compiled)``, ``key`` being the input
+shape that may change (the row length); a stage that runs no compiled code (``compiled`` False,
+the CPU default) passes straight through. A call with a key its party has not
 completed yet may compile: it waits for the calls in flight and runs alone. Every other call runs
 side by side with the others', as before, at the cost of one lock round trip. Rows of many
 lengths would make every call a new key, so a party's calls stop being held alone once it has
@@ -46,7 +47,10 @@ class CompileGate:
         return key in done or len(done) >= self._cold_keys
 
     @contextmanager
-    def call(self, party: str, key: Hashable = None) -> Iterator[None]:
+    def call(self, party: str, key: Hashable = None, compiled: bool = True) -> Iterator[None]:
+        if not compiled:
+            yield
+            return
         cold = not self.is_warm(party, key)
         with self._cond:
             if cold:

@@ -87,8 +87,7 @@ class HFHooksExtract(Stage):
         rows = tokens = 0
         for row in inputs["rows"]:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                # a new row length may compile: alone (compile_gate.py); uncompiled code needs no gate
-                with GATE.call(ctx.stage, len(row["input_ids"])) if compiled else nullcontext():
+                with GATE.call(ctx.stage, len(row["input_ids"]), compiled):  # a new length may compile
                     feats, last = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()

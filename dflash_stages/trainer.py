@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from contextlib import nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -152,11 +151,10 @@ class Trainer:
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         for row in rows:
             total = total or self.total_steps(row)
-            # a new row length may compile (the forward, then the backward inside it): alone
-            gate = GATE.call(ctx.stage, int(row["features"].shape[0])) if self.compiled else nullcontext()
-            with gate:
+            tokens = int(row["features"].shape[0])
+            with GATE.call(ctx.stage, tokens, self.compiled):  # a new length may compile (forward, backward)
                 stats = self._forward_backward(row, micro)
-            self.tokens_seen += int(row["features"].shape[0])
+            self.tokens_seen += tokens
             micro += 1
             if stats is not None:
                 window.append(stats)

@@ -114,3 +114,20 @@ def test_a_party_is_warm_for_any_key_after_the_recompile_limit():
         assert gate.is_warm("train", length)
     assert gate.is_warm("train", 8000) and not gate.is_warm("extract", 8000)
     assert CompileGate().is_warm("x", 1) is False  # default limit: torch._dynamo.config.recompile_limit
+
+
+def test_uncompiled_calls_pass_through_a_cold_call():
+    """Stages without compiled code (the CPU default) neither wait nor are waited for."""
+    gate = CompileGate()
+    done = threading.Event()
+
+    def uncompiled() -> None:
+        with gate.call("extract", 100, compiled=False):
+            done.set()
+
+    with gate.call("train", 8192):  # cold: a gated call would wait for it to end
+        t = threading.Thread(target=uncompiled)
+        t.start()
+        assert done.wait(10)
+    t.join(10)
+    assert not gate.is_warm("extract", 100)
