@@ -499,7 +499,7 @@ def main() -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "flex", "sdpa", "both"])
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the draft layers and the loss chunks (auto: on CUDA)")
-    p.add_argument("--chunk-rows", type=int, default=1024)
+    p.add_argument("--chunk-rows", type=int, default=4096, help="LM-head rows per loss chunk (the trainer's default)")
     p.add_argument("--inductor", type=inductor_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor config option for the draft-layer compile (repeatable), e.g. "
                         "prologue_fusion=false")

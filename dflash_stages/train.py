@@ -49,7 +49,9 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = field(default=0, metadata={
         "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
-    chunk_rows: int = field(default=1024, metadata={"help": "LM-head rows per loss chunk (memory vs speed)"})
+    chunk_rows: int = field(default=4096, metadata={
+        "help": "LM-head rows per loss chunk: memory (a [chunk, vocab] block of logits) vs the LM head's "
+                "re-reads, one per chunk (4096: 2 chunks a row at 512 anchors x 16)"})
     compile: str = field(default="auto", metadata={
         "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={

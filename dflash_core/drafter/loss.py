@@ -165,7 +165,7 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
                  loss_mask: torch.Tensor, position_ids: torch.Tensor, doc_lengths: Any,
                  anchors: torch.Tensor, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
                  doc_ids: torch.Tensor | None = None, gamma: float | None = None, target: str = "data",
-                 target_hidden: torch.Tensor | None = None, chunk_rows: int = 1024,
+                 target_hidden: torch.Tensor | None = None, chunk_rows: int = 4096,
                  attn_backend: str | None = None, pad_anchors_to: int | None = None,
                  compile_loss: bool = False) -> LossOutput:
     """Loss and metrics for one packed row.
