@@ -12,6 +12,9 @@ documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
     python benchmarks/train_step.py --cuda-graph         # + the step captured as a CUDA graph, replayed
 
+The back-to-back steps are timed with nvidia-smi sampling the GPU beside them (``gpu_clocks.py``):
+the SM clock and power it held, since the H200 runs this step at its power limit.
+
 Run it twice with ``--compile-cache`` on a fresh machine (empty TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR) to see the cold and the cached first step.
 """
@@ -41,6 +44,7 @@ from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
+from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
@@ -203,7 +207,9 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
     med = statistics.median(times)
     tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
-    steady = back_to_back_s(step, dev, args.steps)
+    with ClockLog(dev) as clocks:  # the clock the chip held: it runs this step at its power limit
+        steady = back_to_back_s(step, dev, args.steps)
+    log(f"[{backend}] back to back: {describe(clocks.summary)}")
     log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
         f"host syncs per step: {host_syncs}; host time per step: {host if host is None else round(host, 1)} ms")
     graphed = cuda_graph_compare(args, s, opt, compiled, steady) if args.cuda_graph else None
@@ -214,7 +220,7 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
                 step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
                 tflop_per_s=tflops, first_step_phases_s=phases, host_syncs=host_syncs, host_ms=host,
-                steady_ms=steady * 1e3, steady_tokens_per_s=s["T"] / steady,
+                steady_ms=steady * 1e3, steady_gpu_clock=clocks.summary, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
                 steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__,
@@ -541,12 +547,14 @@ def main() -> int:
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
     print("\nstep ms: median of steps timed alone (synced each); steady: steps back to back, as the trainer runs")
     print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'step ms':>9} {'steady ms':>9} {'tokens/s':>10} "
-          f"{'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+          f"{'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'SM MHz':>7}")
     for r in results:
         mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
+        clock = r["steady_gpu_clock"]
+        mhz = f"{clock['sm_mhz_median']:7.0f}" if clock else f"{'-':>7}"
         print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} "
               f"{r['steady_ms']:9.1f} {r['steady_tokens_per_s']:10.0f} {r['tflop_per_step']:10.2f} "
-              f"{r['steady_tflop_per_s']:8.1f} {r['steady_tflop_per_s'] * 1e12 / H200_BF16_PEAK:6.1%} {mem}")
+              f"{r['steady_tflop_per_s']:8.1f} {r['steady_tflop_per_s'] * 1e12 / H200_BF16_PEAK:6.1%} {mem} {mhz}")
     for b, msg in failures.items():
         print(f"{b:8} FAILED: {msg}")
     return 1 if failures and not results else 0
