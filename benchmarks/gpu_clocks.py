@@ -40,8 +40,10 @@ class ClockLog:
             return self
         # by UUID: torch's device index need not be nvidia-smi's (CUDA_VISIBLE_DEVICES)
         uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)
-        gpu = str(self.device.index or 0) if uuid is None else str(uuid)
-        gpu = gpu if uuid is None or gpu.startswith("GPU-") else f"GPU-{gpu}"
+        if uuid is None:
+            gpu = str(self.device.index or 0)
+        else:
+            gpu = str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
         # into a file, stopped by SIGTERM: how it was run beside the session-9 benchmarks
         self._out = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(
