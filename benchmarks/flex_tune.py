@@ -132,6 +132,11 @@ def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path:
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
+    from dflash_core.drafter.attention import allow_flex_tile
+    from dflash_core.drafter.mask import TILE
+
+    if tile != TILE:  # torch's backward would refuse the tile (attention.allow_flex_tile)
+        allow_flex_tile(tile)
     s = make_inputs(args, dev)
     mask = s["layout"].flex_block_mask(tile=tile)
     flex = torch.compile(flex_attention, dynamic=False)

@@ -7,6 +7,7 @@ sdpa otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -49,6 +50,42 @@ def flex_kernel_options(setting: Any, device: torch.device, head_dim: int,
         return None
     opts = TUNED_FLEX_OPTIONS.get((torch.cuda.get_device_capability(device), head_dim, dtype))
     return dict(opts) if opts else None
+
+
+def allow_flex_tile(tile: int) -> None:
+    """Let flex attention's backward compile for BlockMask tiles of ``tile`` (process-wide).
+
+    Why: Inductor's flex backward keeps only those of its default block-size configs that divide
+    the BlockMask's tile, and applies ``kernel_options`` after that; on sm90 with head dim 128 its
+    one default is (64, 128, 128, 64), so a 64-tile had no kernel left (NoValidChoicesError) even
+    where the kernel options asked for blocks that fit. Inductor reads its heuristics from a
+    replaceable ``InductorChoices`` (``config.inductor_choices_class``, a factory each compiling
+    thread calls once, the autograd thread included): ours caps the default block sizes at the
+    tile, so that the kernel options decide. Call it before the first compile of the process."""
+    from torch._inductor import config
+
+    factory = functools.partial(_tile_choices, tile)
+    current = config.inductor_choices_class
+    if current is not None and getattr(current, "func", None) is not _tile_choices:
+        raise RuntimeError(f"Inductor's choices are already replaced ({current!r}); not overriding them")
+    config.inductor_choices_class = factory
+
+
+def _tile_choices(tile: int) -> Any:
+    """An ``InductorChoices`` whose flex backward configs fit BlockMask tiles of ``tile``."""
+    from torch._inductor.choices import InductorChoices
+
+    class TileChoices(InductorChoices):
+        def get_flex_attention_bwd_configs(self, head_dim: int, dtype: torch.dtype,
+                                           device_type: str | None = "cuda") -> list[Any]:
+            return [dataclasses.replace(c, **{f: min(getattr(c, f), tile)
+                                              for f in ("block_m1", "block_n1", "block_m2", "block_n2")})
+                    for c in super().get_flex_attention_bwd_configs(head_dim, dtype, device_type)]
+
+        def uuid(self) -> str:  # Inductor's cache keys name a replaced choices class by this
+            return f"dflash-flex-tile-{tile}"
+
+    return TileChoices()
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ from torch import nn
 
 from dflash_core.drafter.attention import BACKENDS, attend, resolve_backend
 from dflash_core.drafter.config import SLIDING, DrafterConfig
-from dflash_core.drafter.mask import BlockLayout
+from dflash_core.drafter.mask import TILE, BlockLayout
 from dflash_core.drafter.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -147,6 +147,8 @@ class DFlashDrafter(nn.Module):
     ``flex_kernel_options`` (attribute, default None = torch's defaults): Triton block sizes etc.
     passed to flex_attention as ``kernel_options``; set after the model is on its device (see
     ``attention.flex_kernel_options``). They change speed, not results beyond rounding.
+    ``flex_tile`` (attribute, default ``mask.TILE``): the BlockMask's tile; below 128 the flex
+    backward needs ``attention.allow_flex_tile`` (experimental, see docs/benchmarks.md session 9).
     ``compile_layers()`` compiles the draft layer's two halves once (all layers share the graphs).
     """
 
@@ -167,6 +169,7 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         self.attn_backend = attn_backend
         self.flex_kernel_options: dict[str, Any] | None = None
+        self.flex_tile = TILE
         H, k = cfg.hidden_size, len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -239,7 +242,8 @@ class DFlashDrafter(nn.Module):
                 self._rope_on[lt, x.device] = inv_freq.to(x.device)
             inv_freq = self._rope_on[lt, x.device]
             window = self.config.sliding_window if lt == SLIDING else None
-            masks[lt] = layout.flex_block_mask(window) if backend == "flex" else layout.dense_mask(window)
+            masks[lt] = (layout.flex_block_mask(window, tile=self.flex_tile) if backend == "flex"
+                         else layout.dense_mask(window))
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
         last = len(self.layers) - 1
         for i, (layer, lt) in enumerate(zip(self.layers, self.config.layer_types)):

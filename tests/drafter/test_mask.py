@@ -103,7 +103,10 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
     with torch.no_grad():
         outs = [model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend=b)
                 for b in ("sdpa", "flex")]
+        model.flex_tile = 16  # a smaller BlockMask tile (attention.allow_flex_tile): the same result
+        outs.append(model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend="flex"))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("T, lengths, n, B, pad_to", [

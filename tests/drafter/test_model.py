@@ -196,3 +196,28 @@ def test_block_ids_must_hold_the_mask_token_after_slot_0():
     ids[2, 3] = 5
     with pytest.raises(RuntimeError, match="slots 1..B-1 must hold mask_token_id"):
         model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
+
+
+def test_flex_tile_choices_cap_the_backward_configs():
+    """allow_flex_tile's Inductor choices offer torch's flex backward configs with every block
+    size cut to the tile (CPU heuristics here: the same code path as CUDA's, other defaults)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+
+    from dflash_core.drafter.attention import _tile_choices, allow_flex_tile
+
+    plain = InductorChoices().get_flex_attention_bwd_configs(128, torch.float32, "cpu")
+    capped = _tile_choices(8).get_flex_attention_bwd_configs(128, torch.float32, "cpu")
+    fields = ("block_m1", "block_n1", "block_m2", "block_n2")
+    assert [[min(getattr(c, f), 8) for f in fields] for c in plain] == [[getattr(c, f) for f in fields] for c in capped]
+    assert _tile_choices(8).uuid() == "dflash-flex-tile-8"
+    saved = config.inductor_choices_class
+    try:
+        allow_flex_tile(64)
+        allow_flex_tile(32)  # ours may be replaced by ours
+        assert config.inductor_choices_class().uuid() == "dflash-flex-tile-32"
+        config.inductor_choices_class = InductorChoices
+        with pytest.raises(RuntimeError, match="already replaced"):
+            allow_flex_tile(64)
+    finally:
+        config.inductor_choices_class = saved
