@@ -6,7 +6,7 @@ of 3 documents with 512 anchors and B=16 of ``train_step.py`` (8,192 queries ove
 
     python benchmarks/flex_tune.py                     # every config in CONFIGS, 8 at a time
     python benchmarks/flex_tune.py --only default,b64  # some of them
-    python benchmarks/flex_tune.py --only NAME@128     # NAME with the BlockMask in 128-tiles
+    python benchmarks/flex_tune.py --only NAME@64      # NAME with the BlockMask in 64-tiles
 
 The BlockMask's tile is 128 (``mask.TILE``) unless ``@TILE`` follows the name; flex needs every
 kernel block size to divide it.
@@ -67,6 +67,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # round 3 (session 4): round 2's best backward (4 stages) with the chosen forward: bwd 2.77 vs
     # 2.63 ms in the same call, not kept
     "f64x64s3w4+b32x64s4w4": {**_fwd(64, 64, 3, 4), **_bwd(32, 64, 64, 32, 4, 4)},
+    # round 4 (session 10): blocks that fit BlockMask tiles of 32 (run as NAME@32)
+    "f32x32s3w4+b32x32s3w4": {**_fwd(32, 32, 3, 4), **_bwd(32, 32, 32, 32, 3, 4)},
+    "f32x32s4w2+b16x32s3w4": {**_fwd(32, 32, 4, 2), **_bwd(16, 32, 32, 16, 3, 4)},
 }
 
 
@@ -132,11 +135,9 @@ def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path:
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
-    from dflash_core.drafter.attention import allow_flex_tile
-    from dflash_core.drafter.mask import TILE
+    from dflash_core.drafter.attention import flex_tile
 
-    if tile != TILE:  # torch's backward would refuse the tile (attention.allow_flex_tile)
-        allow_flex_tile(tile)
+    flex_tile(tile, dev, 128, torch.bfloat16, opts)  # checks the blocks fit; lets the backward take the tile
     s = make_inputs(args, dev)
     mask = s["layout"].flex_block_mask(tile=tile)
     flex = torch.compile(flex_attention, dynamic=False)

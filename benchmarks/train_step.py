@@ -39,8 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.devices import compile_wanted
-from dflash_core.drafter.attention import allow_flex_tile, flex_kernel_options, resolve_backend
-from dflash_core.drafter.mask import TILE
+from dflash_core.drafter.attention import flex_kernel_options, flex_tile, resolve_backend
 from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
 from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
@@ -97,10 +96,8 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> di
                           attn_backend=backend).to(device=dev, dtype=dtype)
     model.flex_kernel_options = flex_kernel_options(getattr(args, "flex_options", "auto"), dev,
                                                     model.config.head_dim, dtype)
-    tile = getattr(args, "flex_tile", TILE)
-    if tile != TILE:
-        allow_flex_tile(tile)
-        model.flex_tile = tile
+    model.flex_tile = flex_tile(getattr(args, "flex_tile", "auto"), dev, model.config.head_dim, dtype,
+                                model.flex_kernel_options)
     k = len(model.config.target_layer_ids)
     return dict(
         model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
@@ -228,8 +225,8 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 steady_ms=steady * 1e3, steady_gpu_clock=clocks.summary, steady_tokens_per_s=s["T"] / steady,
                 steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps, flex_options=model.flex_kernel_options, adamw=type(opt).__name__,
-                cuda_graph=graphed)
+                steps=args.steps, flex_options=model.flex_kernel_options, flex_tile=model.flex_tile,
+                adamw=type(opt).__name__, cuda_graph=graphed)
 
 
 def compile_by_graph() -> str:
@@ -524,8 +521,9 @@ def main() -> int:
     p.add_argument("--flex-options", type=lambda v: v if v == "auto" else json.loads(v), default="auto",
                    help='flex attention kernel_options: auto (measured ones for this GPU, see flex_tune.py), '
                         'null (torch\'s defaults) or JSON, e.g. \'{"bwd_num_warps": 4}\'')
-    p.add_argument("--flex-tile", type=int, default=TILE,
-                   help="the flex BlockMask's tile (experimental below 128: attention.allow_flex_tile)")
+    p.add_argument("--flex-tile", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="the flex BlockMask's tile: auto (the one measured fastest for this GPU, see "
+                        "attention.TUNED_FLEX_TILE) or 16/32/64/128")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also capture the whole step as a CUDA graph and time its replays (CUDA, prototype)")
     p.add_argument("--compile-cache", type=Path, default=None,

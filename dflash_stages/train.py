@@ -60,6 +60,9 @@ class TrainConfig:
         "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1): auto = the ones "
                 "measured fastest on this GPU kind if known (benchmarks/flex_tune.py), null = torch's "
                 "defaults, or a mapping"})
+    flex_tile: int | str = field(default="auto", metadata={
+        "help": "the flex attention BlockMask's tile (a power of two, 16-128): auto = the one measured "
+                "fastest on this GPU kind if known and torch allows it (64 on the H200), else 128"})
     pad_anchors: bool = field(default=True, metadata={
         "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={
@@ -73,6 +76,8 @@ class TrainConfig:
             raise ValueError(f"adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}, got {self.adamw_kernel!r}")
         if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
+        if self.flex_tile != "auto" and (isinstance(self.flex_tile, bool) or self.flex_tile not in (16, 32, 64, 128)):
+            raise ValueError(f"flex_tile must be auto, 16, 32, 64 or 128, got {self.flex_tile!r}")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
         if self.grad_clip is not None and self.grad_clip < 0:

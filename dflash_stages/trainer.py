@@ -13,7 +13,7 @@ from dflash_core import StageContext
 from dflash_core.compile_gate import GATE
 from dflash_core.devices import compile_wanted, peak_gib
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
-from dflash_core.drafter.attention import flex_kernel_options
+from dflash_core.drafter.attention import flex_kernel_options, flex_tile
 from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
 from dflash_stages.target import resolve_dtype
@@ -50,6 +50,8 @@ class Trainer:
         self.model = model.to(device=self.device, dtype=self.dtype)
         model.flex_kernel_options = flex_kernel_options(cfg.flex_kernel_options, self.device,
                                                         model.config.head_dim, self.dtype)
+        model.flex_tile = flex_tile(cfg.flex_tile, self.device, model.config.head_dim, self.dtype,
+                                    model.flex_kernel_options)  # before anything compiles
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()

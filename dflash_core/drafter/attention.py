@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash_core.drafter.mask import TILE
+
 BACKENDS = ("auto", "flex", "sdpa")
 
 
@@ -52,6 +54,52 @@ def flex_kernel_options(setting: Any, device: torch.device, head_dim: int,
     return dict(opts) if opts else None
 
 
+# The BlockMask tile (mask.TILE unless listed) at which the options above run fastest. At the
+# training mask 64-tiles compute 9% fewer (query, key) pairs than 128-tiles (the tiles cut by a
+# document or anchor boundary are computed whole): forward 0.99 -> 0.78 ms, backward 2.59 -> 2.39 ms
+# per layer, step 131.7 -> 130.3 ms (docs/benchmarks.md, session 10).
+TUNED_FLEX_TILE: dict[tuple[tuple[int, int], int, torch.dtype], int] = {((9, 0), 128, torch.bfloat16): 64}
+
+
+def flex_tile(setting: int | str, device: torch.device, head_dim: int, dtype: torch.dtype,
+              options: dict[str, Any] | None) -> int:
+    """The BlockMask tile for flex attention: ``auto`` -> this GPU's entry in ``TUNED_FLEX_TILE``
+    where the kernel ``options`` fit it and torch lets us offer its backward a kernel for it
+    (``allow_flex_tile``), else ``mask.TILE``; an int is used as given. A tile other than
+    ``mask.TILE`` installs ``allow_flex_tile``, so call this before the first compile."""
+    if setting == "auto":
+        tile = TILE
+        if device.type == "cuda" and _tile_hook_problem() is None:
+            tuned = TUNED_FLEX_TILE.get((torch.cuda.get_device_capability(device), head_dim, dtype), TILE)
+            tile = tuned if not _misfits(options, tuned) else TILE
+    else:
+        tile = int(setting)
+        if bad := _misfits(options, tile):
+            raise ValueError(f"flex_kernel_options block sizes {bad} do not divide flex_tile {tile}")
+    if tile != TILE:
+        allow_flex_tile(tile)
+    return tile
+
+
+def _misfits(options: dict[str, Any] | None, tile: int) -> dict[str, int]:
+    """The kernel block sizes in ``options`` that do not divide ``tile`` (flex requires they do)."""
+    return {k: v for k, v in (options or {}).items() if "BLOCK" in k and tile % v}
+
+
+def _tile_hook_problem() -> str | None:
+    """Why ``allow_flex_tile`` cannot work in this process, or None."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+
+    if not hasattr(config, "inductor_choices_class") or not hasattr(InductorChoices,
+                                                                     "get_flex_attention_bwd_configs"):
+        return f"torch {torch.__version__} has no replaceable flex backward configs"
+    current = config.inductor_choices_class
+    if current is not None and getattr(current, "func", None) is not _tile_choices:
+        return f"Inductor's choices are already replaced ({current!r}); not overriding them"
+    return None
+
+
 def allow_flex_tile(tile: int) -> None:
     """Let flex attention's backward compile for BlockMask tiles of ``tile`` (process-wide).
 
@@ -61,14 +109,15 @@ def allow_flex_tile(tile: int) -> None:
     where the kernel options asked for blocks that fit. Inductor reads its heuristics from a
     replaceable ``InductorChoices`` (``config.inductor_choices_class``, a factory each compiling
     thread calls once, the autograd thread included): ours caps the default block sizes at the
-    tile, so that the kernel options decide. Call it before the first compile of the process."""
+    tile, so that the kernel options decide. The calling thread's choices are replaced at once,
+    in case it compiled something before; other threads must not have compiled a backward yet."""
     from torch._inductor import config
+    from torch._inductor.virtualized import V
 
-    factory = functools.partial(_tile_choices, tile)
-    current = config.inductor_choices_class
-    if current is not None and getattr(current, "func", None) is not _tile_choices:
-        raise RuntimeError(f"Inductor's choices are already replaced ({current!r}); not overriding them")
-    config.inductor_choices_class = factory
+    if problem := _tile_hook_problem():
+        raise RuntimeError(f"flex tile {tile}: {problem}")
+    config.inductor_choices_class = functools.partial(_tile_choices, tile)
+    V.set_choices_handler(config.inductor_choices_class())
 
 
 def _tile_choices(tile: int) -> Any:

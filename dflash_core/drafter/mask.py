@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# flex_attention's default sparse block size, both ways. Smaller tiles would waste less work on
-# ragged tiles (64: 9% fewer computed pairs at the training mask), but torch 2.11's flex backward
-# offers no kernel for them: it checks the tile against its default block sizes (128) before
-# applying kernel_options (benchmarks/flex_tune.py NAME@64).
+# flex_attention's default sparse block size, both ways. Smaller tiles waste less work on ragged
+# tiles (64: 9% fewer computed pairs at the training mask), but torch's flex backward needs
+# attention.allow_flex_tile for them (attention.flex_tile picks the tile).
 TILE = 128
 
 

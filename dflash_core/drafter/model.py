@@ -147,8 +147,8 @@ class DFlashDrafter(nn.Module):
     ``flex_kernel_options`` (attribute, default None = torch's defaults): Triton block sizes etc.
     passed to flex_attention as ``kernel_options``; set after the model is on its device (see
     ``attention.flex_kernel_options``). They change speed, not results beyond rounding.
-    ``flex_tile`` (attribute, default ``mask.TILE``): the BlockMask's tile; below 128 the flex
-    backward needs ``attention.allow_flex_tile`` (experimental, see docs/benchmarks.md session 9).
+    ``flex_tile`` (attribute, default ``mask.TILE``): the BlockMask's tile; set it from
+    ``attention.flex_tile``, which also lets torch's flex backward compile for tiles below 128.
     ``compile_layers()`` compiles the draft layer's two halves once (all layers share the graphs).
     """
 

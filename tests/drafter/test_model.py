@@ -198,26 +198,66 @@ def test_block_ids_must_hold_the_mask_token_after_slot_0():
         model(r["features"], ids, r["position_ids"], pos, layout, r["E"])
 
 
-def test_flex_tile_choices_cap_the_backward_configs():
-    """allow_flex_tile's Inductor choices offer torch's flex backward configs with every block
-    size cut to the tile (CPU heuristics here: the same code path as CUDA's, other defaults)."""
+@pytest.fixture
+def inductor_choices():
+    """Restore Inductor's choices factory and this thread's choices after the test."""
     from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    saved, handler = config.inductor_choices_class, V.choices
+    yield config
+    config.inductor_choices_class = saved
+    V.set_choices_handler(handler)
+
+
+def test_flex_tile_choices_cap_the_backward_configs(monkeypatch, inductor_choices):
+    """allow_flex_tile's Inductor choices offer torch's flex backward configs with every block
+    size cut to the tile: torch's own sm90 list (capability faked, the heuristics are host code)
+    becomes one that fits 64-tiles; the calling thread uses them at once; a choices class that is
+    not ours is never replaced."""
     from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
 
     from dflash_core.drafter.attention import _tile_choices, allow_flex_tile
 
-    plain = InductorChoices().get_flex_attention_bwd_configs(128, torch.float32, "cpu")
-    capped = _tile_choices(8).get_flex_attention_bwd_configs(128, torch.float32, "cpu")
-    fields = ("block_m1", "block_n1", "block_m2", "block_n2")
-    assert [[min(getattr(c, f), 8) for f in fields] for c in plain] == [[getattr(c, f) for f in fields] for c in capped]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    fields = ("block_m1", "block_n1", "block_m2", "block_n2", "num_stages", "num_warps")
+    plain = InductorChoices().get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda")
+    capped = _tile_choices(64).get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda")
+    assert [[getattr(c, f) for f in fields] for c in plain] == [[64, 128, 128, 64, 3, 8]]
+    assert [[getattr(c, f) for f in fields] for c in capped] == [[64, 64, 64, 64, 3, 8]]
     assert _tile_choices(8).uuid() == "dflash-flex-tile-8"
-    saved = config.inductor_choices_class
-    try:
+    allow_flex_tile(64)
+    allow_flex_tile(32)  # ours may be replaced by ours
+    assert inductor_choices.inductor_choices_class().uuid() == "dflash-flex-tile-32"
+    assert V.choices.uuid() == "dflash-flex-tile-32"
+    inductor_choices.inductor_choices_class = InductorChoices
+    with pytest.raises(RuntimeError, match="flex tile 64: Inductor's choices are already replaced"):
         allow_flex_tile(64)
-        allow_flex_tile(32)  # ours may be replaced by ours
-        assert config.inductor_choices_class().uuid() == "dflash-flex-tile-32"
-        config.inductor_choices_class = InductorChoices
-        with pytest.raises(RuntimeError, match="already replaced"):
-            allow_flex_tile(64)
-    finally:
-        config.inductor_choices_class = saved
+
+
+def test_flex_tile_resolution(monkeypatch, inductor_choices):
+    """auto -> 64 on an H200 (bf16, head dim 128) when the kernel options fit it, else 128; 128 on
+    CPU and on GPUs not in the table, with Inductor left alone; a given tile is used and checked
+    against the options; the train param takes auto or a power of two from 16 to 128."""
+    from dflash_core.drafter.attention import TUNED_FLEX_OPTIONS, flex_tile
+    from dflash_stages.train import TrainConfig
+
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    tuned = TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]
+    assert flex_tile("auto", torch.device("cpu"), 128, bf16, None) == 128
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert flex_tile("auto", cuda, 128, bf16, tuned) == 128
+    assert inductor_choices.inductor_choices_class is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert flex_tile("auto", cuda, 128, bf16, {**tuned, "bwd_BLOCK_M2": 128}) == 128
+    assert inductor_choices.inductor_choices_class is None
+    assert flex_tile("auto", cuda, 128, bf16, tuned) == 64
+    assert inductor_choices.inductor_choices_class().uuid() == "dflash-flex-tile-64"
+    assert flex_tile(32, torch.device("cpu"), 128, bf16, None) == 32
+    with pytest.raises(ValueError, match=r"block sizes \{'fwd_BLOCK_M': 64, 'fwd_BLOCK_N': 64, "):
+        flex_tile(32, cuda, 128, bf16, tuned)
+    assert TrainConfig(flex_tile=64).flex_tile == 64
+    for bad in (48, 256, "fast", True):
+        with pytest.raises(ValueError, match="flex_tile must be auto, 16, 32, 64 or 128"):
+            TrainConfig(flex_tile=bad)
