@@ -119,7 +119,7 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
 @pytest.mark.parametrize("tile", [128, 64])
 def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to, tile):
     """The BlockMask built from per-block counts is create_block_mask's, field for field, at
-    torch's default tile and at the smaller one flex_tune.py tries."""
+    torch's default tile and at the H200's (attention.TUNED_FLEX_TILE)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash_core.drafter.anchors import pad_anchors
