@@ -55,9 +55,9 @@ def flex_kernel_options(setting: Any, device: torch.device, head_dim: int,
 
 
 # The BlockMask tile (mask.TILE unless listed) at which the options above run fastest. At the
-# training mask 64-tiles compute 9% fewer (query, key) pairs than 128-tiles (the tiles cut by a
-# document or anchor boundary are computed whole): forward 0.99 -> 0.78 ms, backward 2.59 -> 2.39 ms
-# per layer, step 131.7 -> 130.3 ms (docs/benchmarks.md, session 10).
+# training mask 64-tiles compute 8.5% fewer (query, key) pairs than 128-tiles (a tile cut by a
+# document or anchor boundary is computed whole): forward 0.99 -> 0.78 ms, backward 2.59 -> 2.39 ms
+# per layer; the step 1.4-1.8 ms shorter on three H200s (docs/benchmarks.md, session 10).
 TUNED_FLEX_TILE: dict[tuple[tuple[int, int], int, torch.dtype], int] = {((9, 0), 128, torch.bfloat16): 64}
 
 
