@@ -18,7 +18,7 @@ import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # flex_attention's default sparse block size, both ways. Smaller tiles waste less work on ragged
-# tiles (64: 9% fewer computed pairs at the training mask), but torch's flex backward needs
+# tiles (64: 8.5% fewer computed pairs at the training mask), but torch's flex backward needs
 # attention.allow_flex_tile for them (attention.flex_tile picks the tile).
 TILE = 128
 
