@@ -8,6 +8,7 @@ stage that plugin would have provided.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import os
 import traceback
@@ -27,7 +28,21 @@ BUILTIN_PLUGIN = "builtin"
 
 
 class PluginError(Exception):
-    """A plugin broke the contract (duplicate stage, bad stage class)."""
+    """A plugin broke the contract (duplicate stage, bad stage class, unknown hook name)."""
+
+HOOK_PREFIX = f"{hookspecs.PROJECT}_"
+
+
+def check_hook_names(module: Any, plugin: str) -> None:
+    """Refuse ``dflash_pipe_*`` functions that name no hook: a misspelled hook would be
+    registered (or, unmarked, ignored) and never called, silently. Checked by name rather than
+    through pluggy's ``check_pending`` so that a typo is caught with or without ``@hookimpl``."""
+    known = [n for n in dir(hookspecs) if n.startswith(HOOK_PREFIX)]
+    for attr in sorted(dir(module)):
+        if attr.startswith(HOOK_PREFIX) and attr not in known and callable(getattr(module, attr)):
+            close = difflib.get_close_matches(attr, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; hooks are: {', '.join(known)}"
+            raise PluginError(f"plugin {plugin!r} defines {attr!r}, which is no dflash-pipe hook{hint}")
 
 
 @dataclass
@@ -165,12 +180,14 @@ class PluginManager:
         before = set(self.registry._stages)
         self.registry._current_plugin = name
         try:
+            check_hook_names(module, name)
             self._pm.register(module, name=name)
             impl = getattr(module, "dflash_pipe_register_stages", None)
             if impl is not None:
                 impl(registry=self.registry)
         except PluginError:
-            self._pm.unregister(name=name)
+            if self._pm.is_registered(module):
+                self._pm.unregister(name=name)
             raise
         except Exception as exc:
             if self._pm.is_registered(module):

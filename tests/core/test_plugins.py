@@ -191,3 +191,44 @@ def test_light_commands_do_not_import_torch(installed_plugins, write_pipeline, t
     # the embedded default is checked for imports only: its validity is its own tests' business
     assert all(code in (0, 2) for code in codes), proc.stdout + proc.stderr
     assert result["heavy"] == []
+
+
+MISSPELLED = '''
+from dflash_core import hookimpl
+
+
+@hookimpl
+def dflash_pipe_before_stgae(stage, kind, impl, device):
+    raise AssertionError("never called: the name is no hook")
+'''
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_misspelled_hook_is_an_error_with_a_suggestion(tmp_path, monkeypatch, cli, marked):
+    """A typo in a hook name would register (or, without @hookimpl, be ignored) and never run."""
+    source = MISSPELLED if marked else MISSPELLED.replace("@hookimpl\n", "")
+    (tmp_path / "dflash_test_typo.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as info:
+        PluginManager(autoload=False, extra_plugins=["dflash_test_typo"])
+    assert str(info.value) == ("plugin 'dflash_test_typo' defines 'dflash_pipe_before_stgae', which is "
+                               "no dflash-pipe hook; did you mean 'dflash_pipe_before_stage'?")
+
+    res = cli("plugins", "-p", "dflash_test_typo")
+    assert res.code == 2, res.text
+    assert "dflash_pipe_before_stgae" in res.err and "dflash_pipe_before_stage" in res.err
+
+
+def test_every_hookspec_name_is_accepted():
+    """The check must not refuse real hooks: a plugin implementing all of them registers."""
+    import types
+
+    from dflash_core import hookspecs
+
+    plugin = types.ModuleType("all_hooks")
+    for name in dir(hookspecs):
+        if name.startswith("dflash_pipe_"):
+            setattr(plugin, name, getattr(hookspecs, name))
+    pm = PluginManager(autoload=False)
+    pm.add_plugin(plugin, "all_hooks")
+    assert [p.status for p in pm.plugins if p.name == "all_hooks"] == ["loaded"]
