@@ -26,6 +26,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 T = TypeVar("T")
 RANDOM_PREFIX = "random:"
+RANDOM_TARGET_SEED = 0
 
 PRESETS: dict[str, dict[str, Any]] = {
     # shapes of public configs, for benchmarks with random weights (nothing is downloaded)
@@ -68,9 +69,15 @@ def random_target(spec: str, device: str, torch_dtype: torch.dtype,
         with open(name) as f:
             raw = json.load(f)
         cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    with torch.device(device):
-        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype,
-                                              attn_implementation=attn_implementation)
+    dev = torch.device(device)
+    # the weights are a function of the spec alone: every run, every torchrun rank and a later
+    # `evaluate` rebuild the same target, and the caller's RNG streams are left untouched
+    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(RANDOM_TARGET_SEED)
+        with dev:
+            lm = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype,
+                                                  attn_implementation=attn_implementation)
     return lm, _NoTokenizer(cfg.vocab_size)
 
 
@@ -186,12 +193,10 @@ class FeatureCapture:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], last_hidden: bool = False) -> None:
         self.model = model
+        from dflash_core.drafter.layers import validate_target_layer_ids
+
         self.layers = decoder_layers(model)
-        n = len(self.layers)
-        bad = [t for t in layer_ids if not 0 <= t < n]
-        if bad:
-            raise ValueError(f"target layer ids {bad} out of range for a {n}-layer target")
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = validate_target_layer_ids(layer_ids, len(self.layers))
         self.last_hidden = last_hidden
         self._out: dict[int, torch.Tensor] = {}
 

@@ -27,7 +27,11 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
 
 
 def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int) -> list[int]:
-    """Check explicit ids: distinct, in ``[0, L)``; order is kept (it fixes the fc input layout)."""
+    """Check explicit ids: distinct, in ``[0, L - 1)``; order is kept (it fixes the fc input layout).
+
+    The last layer, L - 1, is refused: servers read HF ``hidden_states[L]``, which transformers
+    returns after the final norm, while a hook on ``layers[L - 1]`` sees it before the norm, so a
+    drafter trained on one would be served the other."""
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("target_layer_ids is empty")
@@ -36,6 +40,12 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int) -> lis
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(f"target_layer_ids {bad} outside [0, {num_target_layers})")
+    last = num_target_layers - 1
+    if last in ids:
+        raise ValueError(
+            f"target layer id {last} is the last decoder layer of a {num_target_layers}-layer target: "
+            f"serving engines read it as hidden_states[{num_target_layers}], after the final norm, which "
+            f"the hook on layers[{last}] does not see; use ids up to {last - 1}")
     return ids
 
 

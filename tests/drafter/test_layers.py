@@ -28,8 +28,16 @@ def test_aux_conversion_round_trips_and_is_plus_one():
 
 def test_explicit_ids_validated():
     assert validate_target_layer_ids([3, 1], 8) == [3, 1]
-    for bad in ([], [1, 1], [8], [-1]):
+    for bad in ([], [1, 1], [8], [-1], [7]):
         with pytest.raises(ValueError):
             validate_target_layer_ids(bad, 8)
     with pytest.raises(ValueError):
         default_target_layer_ids(5, 5)
+
+
+def test_last_layer_is_refused_with_the_reason():
+    """Servers read id L-1 as hidden_states[L], after the final norm; a hook reads it before."""
+    assert validate_target_layer_ids([1, 6], 8) == [1, 6]
+    with pytest.raises(ValueError, match=r"target layer id 7 is the last decoder layer of a 8-layer target.*"
+                                         r"after the final norm.*use ids up to 6"):
+        validate_target_layer_ids([1, 7], 8)
