@@ -127,6 +127,10 @@ class StageContext:
         """Entries of :attr:`pipeline` with this kind, in file order."""
         return [dict(v, name=k) for k, v in self.pipeline.items() if v.get("kind") == kind]
 
+    def upstream(self, port: str) -> str | None:
+        """The pipeline name of the stage feeding input ``port`` (None when not known)."""
+        return ((self.pipeline.get(self.stage) or {}).get("after") or {}).get(port)
+
     def should_stop(self) -> bool:
         """True once the runner asked every stage to stop (another stage failed)."""
         return bool(self.stop_event is not None and self.stop_event.is_set())

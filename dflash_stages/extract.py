@@ -19,6 +19,7 @@ from typing import Any
 from dflash_core import Stage, StageContext
 from dflash_core.compile_gate import GATE
 from dflash_core.devices import check_compile_setting, compile_wanted, peak_gib
+from dflash_core.rows import PACKED_ROW, checked
 
 
 @dataclass
@@ -85,7 +86,7 @@ class HFHooksExtract(Stage):
         yield target_header(cfg.model, model, ids, tokenizer)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         rows = tokens = 0
-        for row in inputs["rows"]:
+        for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 with GATE.call(ctx.stage, len(row["input_ids"]), compiled):  # a new length may compile
                     feats, last = capture.capture_row(row)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join
 from dflash_core.devices import check_compile_setting
+from dflash_core.rows import FEATURE_ROW, checked
 
 ADAMW_KERNELS = ("auto", "triton", "torch")
 
@@ -121,7 +122,7 @@ class DFlashTrain(Stage):
         from dflash_stages.trainer import Trainer
 
         trainer = Trainer(self.config, ctx)
-        rows = iter(inputs["features"])
+        rows = checked(inputs["features"], FEATURE_ROW, ctx.stage, ctx.upstream("features"))
         header = next(rows, None)
         if header is None or header.get("kind") != "target":
             raise ValueError("train expects the extract stage's target header as its first item")

@@ -232,3 +232,44 @@ def test_every_hookspec_name_is_accepted():
     pm = PluginManager(autoload=False)
     pm.add_plugin(plugin, "all_hooks")
     assert [p.status for p in pm.plugins if p.name == "all_hooks"] == ["loaded"]
+
+
+def test_example_packer_in_a_real_pipeline_writes_complete_rows(installed_plugins, cli_batch, write_pipeline,
+                                                                 tmp_path, qwen3_dir):
+    """The README's claim: pack:sequential replaces best_fit after the real tokenize stage (which
+    streams shard descriptors, not samples), and its rows carry every packed-row field the
+    trainer relies on (schedule length, resume cursor)."""
+    from dflash_core.rows import PACKED_ROW, check_row
+    from dflash_stages.packing import SampleIndex
+
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                             {"role": "assistant", "content": " ".join(str(i) for i in range(n))}]}
+               for n in range(3, 15)]
+    (data / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_pipeline(f"""
+        stages:
+          download: {{uses: fsspec, params: {{source: "{data}/*.jsonl"}}}}
+          tokenize: {{uses: chat_template, after: download,
+                     params: {{tokenizer: "{qwen3_dir}", thinking: false, workers: 0, min_loss_tokens: 1}}}}
+          pack:     {{uses: sequential, after: tokenize, params: {{tokens_per_row: 128}}}}
+          rows:     {{uses: collect, after: pack}}
+    """)
+    (ran,) = cli_batch([["run", "-p", STAGES, path]], pythonpath=[installed_plugins.example], timeout=300)
+    assert ran.code == 0, ran.text
+
+    run_dir = str(tmp_path / "run")
+    record, store = RunRecord(run_dir).stages, ArtifactStore(run_dir)
+    rows = list(store.items("rows", record["rows"]["key"]))
+    index = SampleIndex.build(store.items("tokenize", record["tokenize"]["key"]))
+    samples = index.load(range(len(index)))
+    index.close()
+    assert len(samples) == len(records)
+    for i, row in enumerate(rows):
+        check_row(row, PACKED_ROW, "test", "pack")
+        assert row["state"] == {"position": i + 1} and row["state_stage"] == "pack"
+        assert (row["epochs"], row["rows_per_epoch"]) == (1, len(rows))
+        assert len(row["input_ids"]) <= 128
+    assert [t for r in rows for t in r["input_ids"]] == [int(t) for s in sorted(samples)
+                                                         for t in samples[s][0]]

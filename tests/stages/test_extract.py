@@ -49,7 +49,7 @@ def packed_row(docs: list[np.ndarray], pad: int = 0) -> dict:
                           + ([np.zeros(pad, np.uint8)] if pad else []))
     pos = np.concatenate([np.arange(n) for n in lengths])
     return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, "doc_lengths": lengths,
-            "state": {"position": 1}, "state_stage": "pack"}
+            "state": {"position": 1}, "state_stage": "pack", "epochs": 1, "rows_per_epoch": 1}
 
 
 def test_header_then_features_per_row(target: Path, hf_model, tmp_path: Path) -> None:
@@ -126,3 +126,18 @@ def test_compiled_layers_give_the_eager_features(target: Path, tmp_path: Path) -
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="compile must be auto, on or off"):
         ExtractConfig(model=str(target), compile="yes")
+
+
+def test_rows_without_the_trainer_fields_are_refused_naming_the_packer(target: Path, tmp_path: Path) -> None:
+    """A packer that leaves out the schedule / resume fields fails where its rows enter extract."""
+    from dflash_core.rows import RowError
+
+    row = packed_row([np.arange(12)])
+    del row["rows_per_epoch"], row["epochs"]
+    stage = HFHooksExtract(ExtractConfig(model=str(target), layers=LAYERS))
+    ctx = StageContext(stage="extract", config=stage.config, device="cpu", run_dir=str(tmp_path),
+                       work_dir=str(tmp_path), cache_dir=str(tmp_path),
+                       pipeline={"extract": {"kind": "extract", "after": {"rows": "my_pack"}}})
+    with pytest.raises(RowError, match="stage 'extract' got a packed row from stage 'my_pack' without "
+                                       "'epochs', 'rows_per_epoch'"):
+        list(stage.run({"rows": [row]}, ctx))

@@ -1,4 +1,5 @@
-"""Two stages written against the public dflash-pipe API only (``dflash_core``)."""
+"""Two stages written against the public dflash-pipe API (``dflash_core``) and the built-in
+reader of tokenize's output (``dflash_stages.packing.SampleIndex``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ class SequentialConfig:
 
 
 class SequentialPack(Stage):
-    """First-fit in arrival order: rows close as soon as the next sample does not fit."""
+    """First-fit in arrival order: a row closes as soon as the next sample does not fit.
+
+    Its rows carry every field of ``dflash_core.rows.PACKED_ROW``: the trainer's LR schedule needs
+    ``epochs`` and ``rows_per_epoch`` (so the rows are planned from the sample lengths before any
+    is yielded), and ``state`` is the cursor ``--resume`` hands back as ``ctx.resume_state``.
+    One epoch, one rank.
+    """
 
     kind = "pack"
     name = "sequential"
@@ -22,33 +29,40 @@ class SequentialPack(Stage):
     inputs = ("samples",)
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
-        limit = self.config.tokens_per_row
-        ids: list[int] = []
-        mask: list[int] = []
-        pos: list[int] = []
-        lengths: list[int] = []
-        rows = 0
-        for sample in inputs["samples"]:
-            n = len(sample["input_ids"])
-            if n > limit:
-                raise ValueError(f"sample of {n} tokens exceeds tokens_per_row={limit}")
-            if len(ids) + n > limit:
-                yield _row(ids, mask, pos, lengths)
-                rows += 1
-                ids, mask, pos, lengths = [], [], [], []
-            ids += list(sample["input_ids"])
-            mask += list(sample["loss_mask"])
-            pos += list(range(n))
-            lengths.append(n)
-            ctx.progress(1, unit="samples", tokens=n)
-        if ids:
-            yield _row(ids, mask, pos, lengths)
-            rows += 1
-        ctx.summary["rows"] = rows
+        from dflash_stages.packing import SampleIndex  # tokenize's shards, or inline samples
+
+        index = SampleIndex.build(inputs["samples"])
+        try:
+            plan = _plan(index.lengths.tolist(), self.config.tokens_per_row)
+            start = int((ctx.resume_state or {}).get("position", 0))
+            for i in range(start, len(plan)):
+                docs = index.load(plan[i])
+                ids = [int(t) for s in plan[i] for t in docs[s][0]]
+                mask = [int(m) for s in plan[i] for m in docs[s][1]]
+                lengths = [len(docs[s][0]) for s in plan[i]]
+                ctx.progress(1, total=len(plan), unit="rows", tokens=len(ids))
+                yield {"input_ids": ids, "loss_mask": mask, "doc_lengths": lengths,
+                       "position_ids": [p for n in lengths for p in range(n)],
+                       "state": {"position": i + 1}, "state_stage": ctx.stage,
+                       "epochs": 1, "rows_per_epoch": len(plan)}
+            ctx.summary["rows"] = len(plan)
+        finally:
+            index.close()
 
 
-def _row(ids: list[int], mask: list[int], pos: list[int], lengths: list[int]) -> dict[str, Any]:
-    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, "doc_lengths": lengths}
+def _plan(lengths: list[int], limit: int) -> list[list[int]]:
+    """Sample ids of each row, in arrival order."""
+    rows: list[list[int]] = []
+    used = limit
+    for sample, n in enumerate(lengths):
+        if n > limit:
+            raise ValueError(f"sample of {n} tokens exceeds tokens_per_row={limit}")
+        if used + n > limit:
+            rows.append([])
+            used = 0
+        rows[-1].append(sample)
+        used += n
+    return rows
 
 
 class LengthHistogram(Stage):
@@ -60,11 +74,14 @@ class LengthHistogram(Stage):
     default_link = "materialize"
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        from dflash_stages.packing import SampleIndex
+
+        index = SampleIndex.build(inputs["samples"])
         buckets: dict[int, int] = {}
-        for sample in inputs["samples"]:
-            n = len(sample["input_ids"])
+        for n in index.lengths.tolist():
             bucket = 1 << max(n - 1, 0).bit_length()
             buckets[bucket] = buckets.get(bucket, 0) + 1
+        index.close()
         ctx.summary["buckets"] = len(buckets)
         for bucket in sorted(buckets):
             yield {"max_len": bucket, "samples": buckets[bucket]}

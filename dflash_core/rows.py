@@ -1,0 +1,89 @@
+"""The items that flow pack → extract → train, declared once.
+
+A pack stage (built-in or a plugin's) yields **packed rows**; extract passes every field through
+and adds the target's features, giving **feature rows**; the trainer reads both kinds of field.
+Some fields matter only for bookkeeping the trainer does silently (the LR schedule's length, the
+resume cursor), so a producer that left them out would train "fine" with a flat schedule and a
+resume that starts over. Each consuming stage therefore checks the rows it is given where the
+stream enters it (:func:`checked`), and a missing field is an error naming the stage that should
+have written it. docs/pack.md documents every field (a test keeps it so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RowField:
+    name: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class RowSchema:
+    """The fields a kind of row must carry (more are allowed and passed along)."""
+
+    name: str
+    fields: tuple[RowField, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def extend(self, name: str, *fields: RowField) -> "RowSchema":
+        return RowSchema(name, self.fields + fields)
+
+
+PACKED_ROW = RowSchema("packed row", (
+    RowField("input_ids", "int [T]: the row's tokens, documents back to back"),
+    RowField("loss_mask", "0/1 [T]: tokens the drafter is trained to predict"),
+    RowField("position_ids", "int [T]: positions restarting at 0 for every document"),
+    RowField("doc_lengths", "ints summing to T: the documents (trailing padding as a last entry)"),
+    RowField("state", "the producer's cursor after this row (JSON-able), saved with checkpoints and "
+                      "handed back as ctx.resume_state on --resume"),
+    RowField("state_stage", "the pipeline name of the stage whose cursor `state` is"),
+    RowField("epochs", "how many epochs the producer yields: with rows_per_epoch, the LR schedule's length"),
+    RowField("rows_per_epoch", "rows one producer rank yields per epoch"),
+))
+"""What pack writes and extract reads."""
+
+FEATURE_ROW = PACKED_ROW.extend(
+    "feature row",
+    RowField("features", "tensor [T, k·H]: the chosen target layers' outputs, concatenated"),
+)
+"""What extract writes (a packed row plus the target's features) and train reads."""
+
+
+class RowError(ValueError):
+    """A row is missing fields, or its per-token fields disagree in length."""
+
+
+def check_row(row: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
+    """Raise :class:`RowError` naming ``producer`` if ``row`` does not fit ``schema``."""
+    source = f"stage {producer!r}" if producer else "its upstream stage"
+    if not isinstance(row, Mapping):
+        raise RowError(f"stage {consumer!r} expects {schema.name}s (mappings) from {source}, "
+                       f"got {type(row).__name__}")
+    missing = [n for n in schema.names if n not in row]
+    if missing:
+        raise RowError(f"stage {consumer!r} got a {schema.name} from {source} without "
+                       f"{', '.join(repr(n) for n in missing)}; a {schema.name} carries "
+                       f"{', '.join(schema.names)} (dflash_core.rows, docs/pack.md)")
+    total = len(row["input_ids"])
+    uneven = [n for n in ("loss_mask", "position_ids") if len(row[n]) != total]
+    if uneven or sum(int(n) for n in row["doc_lengths"]) != total:
+        raise RowError(f"stage {consumer!r} got a {schema.name} from {source} whose fields disagree: "
+                       f"{total} input_ids, " + ", ".join(f"{len(row[n])} {n}" for n in ("loss_mask", "position_ids"))
+                       + f", doc_lengths summing to {sum(int(n) for n in row['doc_lengths'])}")
+
+
+def checked(items: Iterable[Any], schema: RowSchema, consumer: str, producer: str | None) -> Iterator[Any]:
+    """``items`` with every row checked against ``schema`` as it arrives; other items (marked with
+    a ``kind`` other than "row", such as extract's target header) pass unchecked."""
+    for item in items:
+        if not (isinstance(item, Mapping) and item.get("kind", "row") != "row"):
+            check_row(item, schema, consumer, producer)
+        yield item

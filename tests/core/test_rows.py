@@ -1,0 +1,43 @@
+"""The declared row schema: a row missing a field the trainer relies on, or with per-token fields
+of different lengths, is an error naming the stage that produced it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_core.rows import FEATURE_ROW, PACKED_ROW, RowError, check_row, checked
+
+ROW = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1], "position_ids": [0, 1, 0, 1],
+       "doc_lengths": [2, 2], "state": {"position": 1}, "state_stage": "pack", "epochs": 1,
+       "rows_per_epoch": 3}
+
+
+def test_a_complete_row_passes_and_the_header_is_not_a_row():
+    header = {"kind": "target", "model": "m"}
+    assert list(checked([header, ROW], PACKED_ROW, "extract", "pack")) == [header, ROW]
+
+
+@pytest.mark.parametrize("field", PACKED_ROW.names)
+def test_each_missing_field_names_the_producer(field):
+    row = {k: v for k, v in ROW.items() if k != field}
+    with pytest.raises(RowError, match=rf"stage 'extract' got a packed row from stage 'my_pack' without '{field}'"):
+        list(checked([row], PACKED_ROW, "extract", "my_pack"))
+
+
+def test_feature_rows_need_features():
+    with pytest.raises(RowError, match="stage 'train' got a feature row from stage 'extract' without 'features'"):
+        check_row(ROW, FEATURE_ROW, "train", "extract")
+
+
+def test_fields_of_different_lengths_are_refused():
+    with pytest.raises(RowError, match="4 input_ids, 3 loss_mask, 4 position_ids, doc_lengths summing to 4"):
+        check_row({**ROW, "loss_mask": [1, 1, 1]}, PACKED_ROW, "extract", "pack")
+    with pytest.raises(RowError, match="doc_lengths summing to 5"):
+        check_row({**ROW, "doc_lengths": [2, 3]}, PACKED_ROW, "extract", "pack")
+
+
+def test_docs_pack_md_names_every_field():
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "pack.md").read_text()
+    assert all(f"`{name}`" in text for name in PACKED_ROW.names)
