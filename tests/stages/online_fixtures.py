@@ -113,7 +113,7 @@ class SyntheticRows(Stage):
             for n in lengths:
                 base = 1000 + 10 * int(rng.integers(0, 8))
                 ids += [base + (j % cfg.period) for j in range(n)]
-                mask += [0] * 4 + [1] * (n - 4)
+                mask += [0] * min(4, n) + [1] * (n - 4)  # a document shorter than 4: all prompt
                 pos += list(range(n))
             yield {"input_ids": np.array(ids, dtype=np.int64), "loss_mask": np.array(mask, dtype=np.uint8),
                    "position_ids": np.array(pos, dtype=np.int64), "doc_lengths": lengths,
