@@ -20,7 +20,7 @@ def linear_state_layers(cache: Any) -> list[Any]:
     """The cache layers that hold linear-attention state; [] for a dense target's cache."""
     from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-    layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
     mixed = sorted({type(layer).__name__ for layer in layers if isinstance(layer, CacheLayerMixin)})
     if mixed:
         # their crop would need the linear half skipped and the KV half kept: not done here
