@@ -10,13 +10,18 @@ The loop (DESIGN §7, "Inference / evaluation")::
         own token after them; keep the features of t, drafts[:n]; crop the cache to them
         tau = n + 1
 
+On a hybrid target (linear-attention layers, DESIGN §10) cropping is not enough: the linear layers'
+state is snapshotted before the verify forward and, when a draft was rejected, restored, and the
+kept tokens [t, drafts[:n]] run again (:mod:`dflash_stages.spec_cache`), whose features are then
+the ones kept; fully accepted blocks need no second forward.
+
 A drafter is any callable ``DraftRequest -> sequence of token ids`` (at most ``max_tokens``): the
 DFlash drafter (:func:`dflash_drafter`), the prompt-lookup n-gram baseline (:func:`ngram_drafter`),
 or anything a test injects (an oracle, a deliberately wrong one). Whatever it proposes, the output is
 the target's greedy decode: acceptance only ever takes tokens the target itself would have chosen.
 
 Features are read by :class:`dflash_stages.target.FeatureCapture` hooks (the ±1 layer-id convention
-lives there) during the very forward that prefills or verifies, so the target runs once per cycle.
+lives there) during the very forward that prefills or verifies, so a dense target runs once per cycle.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from dflash_stages import spec_cache
 from dflash_stages.target import FeatureCapture
 
 
@@ -95,14 +101,6 @@ def _new_cache(model: nn.Module) -> Any:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
         return DynamicCache()
-
-
-def _crop(cache: Any, length: int) -> None:
-    """Drop the cached tokens after the first ``length`` (a negative crop means "remove n" in every
-    transformers version; 5.24 rejects the older absolute form)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def _forward_kwargs(model: nn.Module) -> tuple[str, bool]:
@@ -183,6 +181,7 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
     if capture is None and layer_ids is not None:
         capture = FeatureCapture(model, layer_ids)
     cache = _new_cache(model)
+    linear = spec_cache.linear_state_layers(cache)  # hybrid target: state to roll back by re-running
     tokens = [int(t) for t in prompt_ids]
     logits, feats = _forward(model, tokens, 0, cache, capture)
     ctx_feats = [feats] if feats is not None else []
@@ -198,15 +197,22 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
         req = DraftRequest(features=features, positions=torch.arange(n_ctx, device=dev), tokens=tokens,
                            last_token=last, last_position=n_ctx, max_tokens=want)
         drafts = [int(t) for t in list(drafter(req))[:want]] if want > 0 else []
+        saved = spec_cache.snapshot(linear)
         logits, feats = _forward(model, [last] + drafts, n_ctx, cache, capture)
         target = logits.argmax(-1).tolist()  # target[i] = its token after block row i
         n = 0
         while n < len(drafts) and drafts[n] == target[n]:
             n += 1
         new = drafts[:n] + [int(target[n])]
+        if linear and n < len(drafts):
+            # the linear layers have folded the rejected drafts in: rewind to before the block and
+            # run the kept tokens again (that forward's features are the ones kept)
+            spec_cache.restore(linear, saved)
+            spec_cache.crop(cache, n_ctx)
+            _, feats = _forward(model, [last] + drafts[:n], n_ctx, cache, capture)
         if feats is not None:
             ctx_feats.append(feats[:n + 1])  # rows of `last` and the accepted drafts
-        _crop(cache, n_ctx + n + 1)
+        spec_cache.crop(cache, n_ctx + n + 1)
         res.drafted.append(len(drafts))
         res.budget.append(want)
         res.anchors.append(n_ctx)
