@@ -20,15 +20,15 @@ from dflash_stages.target import FeatureCapture
 from tests.stages.test_evaluate import tiny_qwen3
 
 B, V = 4, 128
-LAYER_IDS = [0, 3]  # a linear layer and the full-attention layer
+LAYER_IDS = [0, 3]  # a linear layer and the full-attention layer (the last layer, 4, is not readable)
 
 
 def tiny_qwen3_5(seed: int = 0):
     import transformers
 
     cfg = transformers.AutoConfig.for_model(
-        "qwen3_5_text", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        "qwen3_5_text", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"], num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False)
     torch.manual_seed(seed)

@@ -36,11 +36,13 @@ V, H, B, PROMPT, COMPLETION = 64, 32, 4, 4, 20
 
 
 def perm_target(seed: int = 0):
-    """(model, perm): a 2-layer Qwen3 whose greedy next token is perm[perm[x]], exactly."""
+    """(model, perm): a 3-layer Qwen3 whose greedy next token is perm[perm[x]], exactly: layers 0
+    and 1 each map code x to code perm[x]; layer 2, an identity, is there because the last layer
+    is not a readable feature layer (serving reads it after the final norm)."""
     import transformers
 
     g = torch.Generator().manual_seed(seed)
-    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=V, num_hidden_layers=2,
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=V, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                    max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -60,6 +62,7 @@ def perm_target(seed: int = 0):
             layer.mlp.gate_proj.weight.copy_(4 * En)
             layer.mlp.up_proj.weight.copy_(4 * En)
             layer.mlp.down_proj.weight.copy_(down.t())
+        model.model.layers[-1].mlp.down_proj.weight.zero_()
     model.requires_grad_(False)
     return model, perm
 
