@@ -2,7 +2,9 @@
 
 The checkpoint stage writes ``<run_dir>/checkpoints/<step>/pipeline_state.json`` (a map
 stage -> state) and points ``<run_dir>/checkpoints/latest`` at the directory only once the
-checkpoint is complete, so a crash mid-save leaves the previous one as latest.
+checkpoint is complete, so a crash mid-save leaves the previous one as latest. The pointer
+says ``"final": true`` once training has ended (the data ran out) at that checkpoint: resuming
+such a run has nothing left to do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ def latest_checkpoint(run_dir: str) -> str | None:
     """URL/path of the latest complete checkpoint directory, or None."""
     pointer = read_json(join(run_dir, CHECKPOINTS, LATEST))
     return join(run_dir, CHECKPOINTS, pointer["name"]) if pointer else None
+
+
+def finished_at(run_dir: str) -> int | None:
+    """The last step of a run whose training ended at its latest checkpoint, else None."""
+    pointer = read_json(join(run_dir, CHECKPOINTS, LATEST))
+    return int(pointer["step"]) if pointer and pointer.get("final") else None
 
 
 def resume_states(run_dir: str) -> tuple[str | None, dict[str, Any]]:

@@ -4,12 +4,14 @@ Layout under ``<run_dir>/checkpoints/``: ``step-000100/`` with ``export/`` (the 
 format), ``train_state.pt`` (drafter, optimizer, step, RNG of rank 0), ``rng.rank<r>.pt``
 for the other ranks, ``pipeline_state.json`` (what ``--resume`` hands each stage), then
 ``latest.json`` pointing at it — written last, so a crash mid-save leaves the previous
-checkpoint as latest. The same files are uploaded to ``dest`` (any fsspec URL) with retries,
-``latest.json`` last there too.
+checkpoint as latest. A directory that ``latest.json`` names is never rewritten; once training
+has ended there, the pointer says ``"final": true`` (``--resume`` then has nothing to do). The
+same files are uploaded to ``dest`` (any fsspec URL) with retries, ``latest.json`` last there too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -48,30 +50,64 @@ class FsspecCheckpoint(Stage):
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         root = join(ctx.run_dir, CHECKPOINTS)
-        saved, last_step = 0, None
+        # on --resume, latest.json names the checkpoint the trainer restored
+        latest = os.path.basename(ctx.resume_checkpoint.rstrip("/")) if ctx.resume_checkpoint else None
+        saved = 0
         for state in inputs["states"]:
             if state.get("kind") != "state":
                 continue
             name = f"step-{state['step']:07d}"
-            if state["step"] == last_step:
-                # the end-of-run state of the step just saved: nothing changed, and saving it
-                # again would replace the directory latest.json points at (not atomically)
+            if name == latest:
+                # the state latest.json names already (the end-of-run state of the step just
+                # saved, or a resumed run with no step left): its directory is never rewritten,
+                # only the pointer learns that training ended there
+                if state["final"] and ctx.rank == 0:
+                    write_json(join(root, LATEST), _pointer(name, state))
+                    self._point_dest(name, state, ctx)
+                    ctx.summary.update(latest=join(root, name), export=join(root, name, "export"),
+                                       step=state["step"])
                 yield _saved(state, join(root, name))
                 continue
-            last_step = state["step"]
             path = save_checkpoint(state, root, name, ctx)
+            latest = name
             saved += 1
             if ctx.rank == 0:
                 if self.config.dest:
+                    _retry(lambda: _unpoint(self.config.dest, name, self.config.storage_options),
+                           self.config, ctx)
                     upload(path, join(self.config.dest, name), self.config, ctx)
-                    _retry(lambda: write_json(join(self.config.dest, LATEST),
-                                              {"name": name, "step": state["step"]},
-                                              self.config.storage_options), self.config, ctx)
+                    self._point_dest(name, state, ctx)
                 prune(root, self.config.keep_last)
                 ctx.emit({"type": "checkpoint", "step": state["step"], "path": path})
                 ctx.summary.update(latest=path, export=join(path, "export"), step=state["step"])
             yield _saved(state, path)
         ctx.summary["saved"] = saved
+
+    def _point_dest(self, name: str, state: dict[str, Any], ctx: StageContext) -> None:
+        """Point the dest's ``latest.json`` (if there is a dest) at ``name``."""
+        if self.config.dest:
+            _retry(lambda: write_json(join(self.config.dest, LATEST), _pointer(name, state),
+                                      self.config.storage_options), self.config, ctx)
+
+
+def _pointer(name: str, state: dict[str, Any]) -> dict[str, Any]:
+    """What ``latest.json`` holds: the checkpoint, its step, and whether training ended there."""
+    return {"name": name, "step": state["step"], "final": bool(state["final"])}
+
+
+def _unpoint(root: str, name: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove ``root/latest.json`` if it names ``name``, whose directory is about to be rewritten
+    (a fresh run saving a step an earlier run in this directory saved): until the new one is
+    complete there is no latest, rather than a latest that names a half-written checkpoint."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(join(root, LATEST), **(storage_options or {}))
+    try:
+        named = json.loads(fs.cat_file(path)).get("name")
+    except FileNotFoundError:
+        return
+    if named == name:
+        fs.rm(path)
 
 
 def _saved(state: dict[str, Any], path: str) -> dict[str, Any]:
@@ -93,6 +129,7 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
         _barrier()  # every rank has its state in hand before rank 0 starts the directory
     rank = state["rank"]
     if rank == 0:
+        _unpoint(root, name)
         if local:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
@@ -119,7 +156,7 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(staging, final)
-        write_json(join(root, LATEST), {"name": name, "step": state["step"]})
+        write_json(join(root, LATEST), _pointer(name, state))
     if ctx.world_size > 1:
         _barrier()
     return final

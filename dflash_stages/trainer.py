@@ -10,11 +10,13 @@ from typing import Any, Iterator
 import torch
 
 from dflash_core import StageContext
+from dflash_core.artifacts import read_json
 from dflash_core.compile_gate import GATE
 from dflash_core.devices import compile_wanted, peak_gib
 from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
 from dflash_core.drafter.attention import flex_kernel_options, flex_tile
 from dflash_core.drafter.optim import adamw, clipped_step
+from dflash_core.resume import PIPELINE_STATE
 from dflash_stages import compile_cache
 from dflash_stages.target import resolve_dtype
 from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
@@ -104,6 +106,10 @@ class Trainer:
         self.model.load_state_dict(saved["model"])
         self.opt.load_state_dict(saved["optimizer"])
         self.step = int(saved["step"])
+        # the data cursors saved with it, kept until a row moves them: a snapshot before any
+        # new row (nothing left to train) must not drop them
+        cursors = read_json(f"{ckpt}/{PIPELINE_STATE}") or {}
+        self.data_state = {stage: st for stage, st in cursors.items() if stage != self.ctx.stage}
         rank = self.ctx.rank
         if rank != 0:
             with fsspec.open(f"{ckpt}/rng.rank{rank}.pt", "rb") as f:

@@ -33,10 +33,14 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     from dflash_core.progress import make_display
     from dflash_core.runner import Runner
-    from dflash_core.resume import resume_states
+    from dflash_core.resume import finished_at, resume_states
 
     ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
     if args.resume:
+        done = finished_at(pipeline.run_dir)
+        if done is not None:  # no data left: running again could only rewrite what is there
+            console.print(f"run already complete at step {done} ({ckpt}): nothing to resume")
+            return EXIT_OK
         console.print(f"resuming from {ckpt}" if ckpt else
                       "no complete checkpoint found: starting from the beginning")
     runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,

@@ -18,7 +18,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_core.artifacts import ArtifactStore
-    from dflash_core.resume import latest_checkpoint
+    from dflash_core.resume import finished_at, latest_checkpoint
     from dflash_core.runstate import RunRecord, analyse
 
     _, pipeline = load(args)
@@ -32,5 +32,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(name, st.state, st.key or "-", st.cause)
     console.print(table)
     ckpt = latest_checkpoint(pipeline.run_dir)
-    console.print(f"latest checkpoint: {ckpt or 'none'}")
+    done = finished_at(pipeline.run_dir)
+    console.print(f"latest checkpoint: {ckpt or 'none'}"
+                  + (f" (training finished at step {done})" if done is not None else ""))
     return EXIT_OK

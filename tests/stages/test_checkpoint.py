@@ -80,7 +80,7 @@ def test_upload_through_faults_and_latest_always_complete(tmp_path: Path, target
 
     names = [f"step-{s:07d}" for s in (4, 8, 12)]
     remote = json.loads(s3.cat_file("bucket/drafter/latest.json"))
-    assert remote == {"name": names[-1], "step": 12}
+    assert remote == {"name": names[-1], "step": 12, "final": True}
     assert not any(watcher.seen.values()), (
         f"latest.json named an incomplete checkpoint: {watcher.seen}")
     assert names[-1] in watcher.seen

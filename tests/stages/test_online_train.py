@@ -4,7 +4,9 @@ checkpoint:fsspec with a tiny random-init Qwen3 target (tests/stages/online_fixt
 - a short run learns (loss and tau_sim from metrics.jsonl) and its export loads back;
 - SIGKILL at a random step + ``run --resume`` ends bit-identical to an uninterrupted run;
 - 2 gloo ranks under torchrun train the same drafter as one process on the same global batch;
-- ``run --resume`` without a checkpoint starts from the beginning and says so.
+- ``run --resume`` without a checkpoint starts from the beginning and says so;
+- ``run --resume`` of a finished run changes nothing, and ``latest.json`` never names a
+  checkpoint that is being rewritten.
 
 The CLI runs that must be killed or run under torchrun are subprocesses (one torch thread
 each); the others run in this process to save the interpreter start-up.
@@ -12,9 +14,11 @@ each); the others run in this process to save the interpreter start-up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +32,7 @@ import torch
 
 from dflash_core.pipeline_file import load_pipeline
 from dflash_core.plugins import PluginManager
-from dflash_core.runner import Runner
+from dflash_core.runner import Runner, RunFailed
 from tests.conftest import REPO, cli_env
 from tests.stages import online_fixtures
 from tests.stages.online_fixtures import CKPT_FILES, TINY_TRAIN, online_pipeline
@@ -132,6 +136,12 @@ def assert_complete(ckpt: Path) -> None:
     assert not missing, f"latest.json points at {ckpt}, which lacks {missing}"
 
 
+def tree_digest(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``root``, keyed by its relative path."""
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
 def flat_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:
     """Every leaf of a nested dict/list, keyed by its path (tensors and plain values)."""
     if isinstance(obj, dict):
@@ -149,6 +159,18 @@ def flat_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def load_state(ckpt: Path) -> dict[str, Any]:
     return torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=True)
+
+
+def assert_same_train_state(a_ckpt: Path, b_ckpt: Path, note: str = "") -> None:
+    """Every leaf of the two checkpoints' train_state.pt is equal (tensors: torch.equal)."""
+    a, b = flat_tensors(load_state(a_ckpt)), flat_tensors(load_state(b_ckpt))
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optimizer/state/") for k in a) and "rng/0/cpu" in a
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), f"{key} differs {note}"
+        else:
+            assert a[key] == b[key], key
 
 
 # ---------------------------------------------------------------------------- learning
@@ -263,14 +285,7 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path: Path, tar
 
     final_ref, final_run = latest(ref_dir), latest(run_dir)
     assert final_ref.name == final_run.name == f"step-{STEPS:07d}"
-    a, b = flat_tensors(load_state(final_ref)), flat_tensors(load_state(final_run))
-    assert a.keys() == b.keys()
-    assert any(k.startswith("optimizer/state/") for k in a) and "rng/0/cpu" in a
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), f"{key} differs after resume from {resumed_from}"
-        else:
-            assert a[key] == b[key], key
+    assert_same_train_state(final_ref, final_run, f"after resume from {resumed_from}")
 
 
 # --------------------------------------------------------------------- data parallel
@@ -334,6 +349,112 @@ def test_resume_without_checkpoint_starts_from_the_beginning(tmp_path: Path, tar
     assert "no complete checkpoint found: starting from the beginning" in res.text
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert latest(run_dir).name == "step-0000006"
+
+
+# --------------------------------------------------------------- resume of a finished run
+def finished_run(tmp_path: Path, target: Path) -> tuple[Path, Path]:
+    """(pipeline file, run dir) of a 6-step run checkpointed every 3 steps, run to the end."""
+    run_dir = tmp_path / "run"
+    path = write(tmp_path / "p.yaml", online_pipeline(
+        run_dir, target, pack=dict(rows=6, tokens_per_row=64), train=dict(TRAIN, log_every=1),
+        checkpoint=dict(every_steps=3)))
+    results = run_in_process(path)
+    assert all(r.status == "done" for r in results.values()), results
+    assert latest(run_dir).name == "step-0000006"
+    return path, run_dir
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path: Path, target: Path, cli) -> None:
+    """``run --resume`` after the last checkpoint of a finished run says the run is complete at
+    step 6, exits 0 and leaves every file under the run dir byte-identical — twice in a row;
+    ``status`` says where training finished."""
+    path, run_dir = finished_run(tmp_path, target)
+    before = tree_digest(run_dir)
+    for _ in range(2):
+        res = cli("run", "-p", PLUGIN, path, "--resume")
+        assert res.code == 0, res.text
+        assert "run already complete at step 6" in res.text.replace("\n", ""), res.text
+        assert tree_digest(run_dir) == before
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert "(training finished at step 6)" in cli("status", "-p", PLUGIN, path).text
+
+
+def test_resume_at_an_unmarked_last_checkpoint_keeps_it(tmp_path: Path, target: Path, cli) -> None:
+    """A finished run whose ``latest.json`` does not say ``final`` (written before that flag
+    existed, or killed between the last step's periodic checkpoint and the end of the run):
+    ``run --resume`` trains 0 steps, leaves the checkpoint latest names byte-identical (its
+    pipeline_state.json keeps pack's cursor), marks it final; the next ``--resume`` is a no-op."""
+    path, run_dir = finished_run(tmp_path, target)
+    ckpt = latest(run_dir)
+    (run_dir / "checkpoints" / "latest.json").write_text(json.dumps({"name": ckpt.name, "step": 6}))
+    kept = tree_digest(ckpt)
+    res = cli("run", "-p", PLUGIN, path, "--resume")
+    assert res.code == 0, res.text
+    assert f"resuming from {ckpt}" in res.text.replace("\n", ""), res.text
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert latest(run_dir) == ckpt and tree_digest(ckpt) == kept
+    assert json.loads((ckpt / "pipeline_state.json").read_text()) == {
+        "pack": {"position": 6}, "train": {"step": 6}}
+    res = cli("run", "-p", PLUGIN, path, "--resume")
+    assert "run already complete at step 6" in res.text.replace("\n", ""), res.text
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_into_a_last_partial_step_keeps_the_pack_cursor(tmp_path: Path, target: Path,
+                                                               cli) -> None:
+    """3 rows at 2 rows per step: step 1 is checkpointed, step 2 (one row) is the end of the run.
+    Cut off before step 2's checkpoint (its directory gone, ``latest.json`` back on step 1),
+    ``run --resume`` trains the last row and writes a step 2 equal to the uninterrupted one:
+    the same pipeline_state.json (pack's cursor included) and the same train state."""
+    run_dir = tmp_path / "run"
+    path = write(tmp_path / "p.yaml", online_pipeline(
+        run_dir, target, pack=dict(rows=3, tokens_per_row=64), train=dict(TRAIN, rows_per_step=2),
+        checkpoint=dict(every_steps=1)))
+    run_in_process(path)
+    ckpts = run_dir / "checkpoints"
+    last = latest(run_dir)
+    assert last.name == "step-0000002"
+    whole = tmp_path / "uninterrupted"
+    shutil.copytree(last, whole)
+    assert "pack" in json.loads((whole / "pipeline_state.json").read_text())
+    shutil.rmtree(last)
+    (ckpts / "latest.json").write_text(json.dumps({"name": "step-0000001", "step": 1, "final": False}))
+    res = cli("run", "-p", PLUGIN, path, "--resume")
+    assert res.code == 0, res.text
+    assert latest(run_dir) == last
+    assert (last / "pipeline_state.json").read_text() == (whole / "pipeline_state.json").read_text()
+    assert_same_train_state(whole, last, "after resume into the last step")
+
+
+def test_rerun_never_leaves_latest_naming_a_removed_checkpoint(tmp_path: Path, target: Path,
+                                                              monkeypatch) -> None:
+    """A plain run (no ``--resume``) in a run dir whose ``latest.json`` names the step it saves
+    next replaces that directory; cut off between removing the old one and renaming the new one
+    into place (the rename fails here), ``latest.json`` names no missing or partial checkpoint.
+    Run once more, it ends with latest naming the complete step."""
+    run_dir = tmp_path / "run"
+    path = write(tmp_path / "p.yaml", online_pipeline(
+        run_dir, target, pack=dict(rows=2, tokens_per_row=64), train=TRAIN,
+        checkpoint=dict(every_steps=1000)))
+    run_in_process(path)
+    assert latest(run_dir).name == "step-0000002"
+    rename = os.replace
+
+    def cut(src: Any, dst: Any) -> None:
+        if str(src).endswith(".tmp-save"):
+            raise OSError("cut off before the rename")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(RunFailed, match="cut off before the rename"):
+        run_in_process(path)
+    ckpt = latest(run_dir)
+    if ckpt is not None:
+        assert_complete(ckpt)
+    monkeypatch.undo()
+    run_in_process(path)
+    assert latest(run_dir).name == "step-0000002"
+    assert_complete(latest(run_dir))
 
 
 def test_weights_digest_tells_equal_weights_from_one_ulp_apart() -> None:
