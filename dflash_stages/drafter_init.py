@@ -66,7 +66,8 @@ def drafter_config(header: dict[str, Any], cfg: TrainConfig) -> tuple[DrafterCon
                          f"{target.get('model_type')!r} (known: {', '.join(sorted(PUBLISHED))}); "
                          "use target or auto")
     rows = int(header["embed_weight"].shape[0])
-    mask, changes, source = cfg.mask_token_id, {}, "the target's attention layer"
+    mask, source = cfg.mask_token_id, "the target's attention layer"
+    changes: dict[str, Any] = {}  # DrafterConfig fields replacing what from_target read
     if shape == "published":
         changes = {"num_attention_heads": published.num_attention_heads,
                    "num_key_value_heads": published.num_key_value_heads,

@@ -131,7 +131,8 @@ def test_the_drafter_params_are_checked_in_the_pipeline_file() -> None:
     assert [m for _, m in errors] == [
         "unknown param 'drafter_attention.num_attention_head' "
         "(did you mean 'drafter_attention.num_attention_heads'?)"]
-    cfg, errors = validate_params(TrainConfig, {"drafter_attention": {"head_dim": 64}, "init_from": "s3://b/d"})
+    cfg, errors = validate_params(TrainConfig, {"drafter_attention": {"head_dim": 64},
+                                                "init_from": "s3://b/d"})
     assert errors == [] and cfg.drafter_attention.head_dim == 64 and cfg.init_from == "s3://b/d"
 
 
@@ -172,6 +173,7 @@ def test_init_from_refuses_a_drafter_of_another_target_or_run(export: Path, tmp_
                                          r"\(the target's\)$"):
         trainer(TrainConfig(num_layers=1, block_size=4, compile="off", init_from=str(export)),
                 header(other_vocab, [0, 2]), tmp_path)
+    explicit_mask = TrainConfig(num_layers=1, block_size=4, compile="off", init_from=str(export),
+                                mask_token_id=7)
     with pytest.raises(ValueError, match=r"mask_token_id: 499 in the export, 7 here \(train mask_token_id\)$"):
-        trainer(TrainConfig(num_layers=1, block_size=4, compile="off", init_from=str(export), mask_token_id=7),
-                header(tiny_qwen3(), [0, 2]), tmp_path)
+        trainer(explicit_mask, header(tiny_qwen3(), [0, 2]), tmp_path)

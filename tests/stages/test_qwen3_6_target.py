@@ -126,7 +126,8 @@ def test_the_production_pipeline_file(cli) -> None:
     tok = stages["tokenize"]["params"]
     assert (tok["tokenizer"], tok["thinking"], tok["max_len"]) == ("Qwen/Qwen3.6-27B", True, 8192)
     assert stages["extract"]["params"] == {"model": "Qwen/Qwen3.6-27B", "layers": "auto"}
-    assert (stages["extract"]["device"], stages["train"]["device"]) == ("cuda:{local_rank}", "cuda:{local_rank+2}")
+    devices = (stages["extract"]["device"], stages["train"]["device"])
+    assert devices == ("cuda:{local_rank}", "cuda:{local_rank+2}")  # two pairs: GPU r -> GPU r+2
     assert stages["train"]["params"]["drafter_shape"] == "published"
     assert stages["download"]["params"]["source"].startswith("s3://")
     assert stages["checkpoint"]["params"]["dest"].startswith("s3://")
