@@ -39,7 +39,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # no public model: small enough to try a multi-process layout on CPU in seconds
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    # Qwen3.6-27B's text model (DESIGN §10): 16 x [3 Gated DeltaNet + 1 gated full attention]
+    "qwen3.6-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+                    "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+                    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "vocab_size": 248320,
+                    "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                        "mrope_interleaved": True}},
 }
+QWEN3_PRESET = {"model_type": "qwen3", "vocab_size": 151936, "max_position_embeddings": 40960,
+                "rope_theta": 1e6, "tie_word_embeddings": False}
+"""What the presets without a ``model_type`` (the dense Qwen3 shapes) share."""
 
 
 class _NoTokenizer:
@@ -53,22 +66,29 @@ class _NoTokenizer:
         return self.vocab_size - 1
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a composite (vision-language) config's ``text_config``,
+    any other config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
 def random_target(spec: str, device: str, torch_dtype: torch.dtype,
                   attn_implementation: str) -> tuple[nn.Module, Any]:
     """``random:qwen3-8b`` (a preset) or ``random:/path/config.json``: real shapes, random weights,
-    built directly on the device — for benchmarks at production dimensions."""
+    built directly on the device — for benchmarks at production dimensions. Only the language
+    model is built: a composite checkpoint's config.json (Qwen3.5/3.6) gives its text model."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     name = spec[len(RANDOM_PREFIX):]
     if name in PRESETS:
-        cfg = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
-                          tie_word_embeddings=False, **PRESETS[name])
+        raw = dict(PRESETS[name]) if "model_type" in PRESETS[name] else {**QWEN3_PRESET, **PRESETS[name]}
     else:
         with open(name) as f:
             raw = json.load(f)
-        cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    cfg = text_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
     dev = torch.device(device)
     # the weights are a function of the spec alone: every run, every torchrun rank and a later
     # `evaluate` rebuild the same target, and the caller's RNG streams are left untouched
@@ -122,20 +142,22 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of any HF causal LM, found by shape rather than by name:
-    the ModuleList of identical blocks whose length is ``config.num_hidden_layers``."""
-    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    best: nn.ModuleList | None = None
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) != 1:
-                continue
-            if n is not None and len(module) != n:
-                continue
-            if best is None or len(module) > len(best):
-                best = module
-    if best is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return best
+    the ModuleList of identical blocks whose length is the (text) config's ``num_hidden_layers``,
+    looked for in the decoder first — a vision tower's blocks can be as many or more."""
+    n = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
+    for root in (base_model(model), model):
+        best: nn.ModuleList | None = None
+        for _, module in root.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) > 0:
+                if len({type(m) for m in module}) != 1:
+                    continue
+                if n is not None and len(module) != n:
+                    continue
+                if best is None or len(module) > len(best):
+                    best = module
+        if best is not None:
+            return best
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join
@@ -22,6 +22,17 @@ from dflash_core.devices import check_compile_setting
 from dflash_core.rows import FEATURE_ROW, checked
 
 ADAMW_KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass
+class DrafterAttention:
+    """Explicit draft-layer attention, over what ``drafter_shape`` chose (unset fields keep it)."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = field(default=None, metadata={
+        "help": "plain full-rotary RoPE at this base (replaces the chosen RoPE)"})
 
 
 @dataclass
@@ -44,7 +55,20 @@ class TrainConfig:
     loss_target: str = field(default="data", metadata={"help": "data | target_argmax | kl"})
     gamma: float | None = None
     mask_token_id: int | None = field(default=None, metadata={
-        "help": "default: first unused embedding row of the target"})
+        "help": "default: the published drafter's for the target's family (drafter_shape), else "
+                "the first unused embedding row of the target"})
+    drafter_shape: Literal["auto", "target", "published"] = field(default="auto", metadata={
+        "help": "draft layers' attention and RoPE: target = the target's own attention layer; "
+                "published = the published drafter of the target's family (Qwen3.5/3.6: 32 q / 8 kv "
+                "heads x 128, full rotary, rope_theta 1e7, mask token 248070); auto = published "
+                "where the family has one, else target (docs/drafter.md)"})
+    drafter_attention: DrafterAttention | None = field(default=None, metadata={
+        "help": "explicit num_attention_heads / num_key_value_heads / head_dim / rope_theta over "
+                "drafter_shape's"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
+                "random weights; its hidden size, vocab, target layers, block size and layer count "
+                "must match this run"})
     attn_backend: str = "auto"
     seed: int = 0
     log_every: int = 10
@@ -70,6 +94,8 @@ class TrainConfig:
         "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
+            self.drafter_attention = DrafterAttention(**self.drafter_attention)
         if self.loss_target not in ("data", "target_argmax", "kl"):
             raise ValueError("loss_target must be data, target_argmax or kl")
         check_compile_setting(self.compile)
@@ -116,6 +142,8 @@ class DFlashTrain(Stage):
             line += f", peak {summary['peak_gib']:.1f} GiB"
         if "replicas" in summary:
             line += f", {summary['replicas']} replicas {'equal' if summary['replicas_equal'] else 'DIFFER'}"
+        if "drafter" in summary:
+            line += f"; drafter {summary['drafter']} ({summary['drafter_source']})"
         return line
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:

@@ -13,11 +13,12 @@ from dflash_core import StageContext
 from dflash_core.artifacts import read_json
 from dflash_core.compile_gate import GATE
 from dflash_core.devices import compile_wanted, peak_gib
-from dflash_core.drafter import (DFlashDrafter, drafter_loss, pick_mask_token_id, sample_anchors)
+from dflash_core.drafter import drafter_loss, sample_anchors
 from dflash_core.drafter.attention import flex_kernel_options, flex_tile
 from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_core.resume import PIPELINE_STATE
 from dflash_stages import compile_cache
+from dflash_stages.drafter_init import build_drafter
 from dflash_stages.target import resolve_dtype
 from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
 
@@ -42,13 +43,8 @@ class Trainer:
         cfg = self.cfg
         self.target = header
         embed, head = header["embed_weight"], header["lm_head_weight"]
-        mask_id = cfg.mask_token_id
-        if mask_id is None:
-            mask_id = pick_mask_token_id(embed.shape[0], header["tokenizer_len"])
         torch.manual_seed(cfg.seed)
-        model = DFlashDrafter(header["config"], mask_token_id=mask_id, num_layers=cfg.num_layers,
-                              block_size=cfg.block_size, target_layer_ids=header["target_layer_ids"],
-                              attn_backend=cfg.attn_backend)
+        model = build_drafter(header, cfg, self.ctx)
         self.model = model.to(device=self.device, dtype=self.dtype)
         model.flex_kernel_options = flex_kernel_options(cfg.flex_kernel_options, self.device,
                                                         model.config.head_dim, self.dtype)
