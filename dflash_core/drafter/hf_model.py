@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Config, Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding)
 
@@ -53,7 +54,7 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: Cache | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)
@@ -79,7 +80,7 @@ class DFlashLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: Cache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -113,7 +114,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def forward(self, position_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False, **kwargs) -> torch.Tensor:
+                past_key_values: Cache | None = None, use_cache: bool = False, **kwargs: object) -> torch.Tensor:
         """Final-normed hidden states [b, B, H] of the block.
 
         position_ids [b, T + B]: positions of the (new) context rows, then of the block.

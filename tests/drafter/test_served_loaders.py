@@ -97,25 +97,27 @@ def served(tmp_path_factory):
         ours[name] = (hidden, W)
         jobs += [(name, loader) for loader in loaders]
 
-    def start(env: str) -> tuple[subprocess.Popen | None, list[dict]]:
+    def start(env: str) -> tuple[subprocess.Popen | None, list[dict], Path]:
         spec = [{"loader": loader, "export": str(root / name / "export"), "inputs": str(root / name / "inputs.safetensors"),
                  "out": str(root / name / f"{env}-{loader}.safetensors")} for name, loader in jobs]
         (root / f"{env}.json").write_text(json.dumps(spec))
+        log = root / f"{env}.log"
         environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         environ.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / f"modules-{env}"))
         if env == "4.57":
             if not (TF457 / "transformers").is_dir():
-                return None, spec
+                return None, spec, log
             environ["PYTHONPATH"] = str(TF457)
-        return subprocess.Popen([sys.executable, str(RUNNER), str(root / f"{env}.json")], env=environ,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), spec
+        with open(log, "w") as out:
+            return subprocess.Popen([sys.executable, str(RUNNER), str(root / f"{env}.json")], env=environ,
+                                    stdout=out, stderr=subprocess.STDOUT), spec, log
 
     started = {env: start(env) for env in ENVS}  # both interpreters run at once
     yield ours, started, {}
-    for proc, _ in started.values():
+    for proc, _, _ in started.values():
         if proc is not None and proc.poll() is None:  # not waited for (tests deselected)
             proc.kill()
-            proc.communicate()
+            proc.wait()
 
 
 def _result(served, env: str, name: str, loader: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -124,11 +126,10 @@ def _result(served, env: str, name: str, loader: str) -> tuple[dict[str, torch.T
 
     _, started, results = served
     if env not in results:
-        proc, spec = started[env]
+        proc, spec, log = started[env]
         if proc is None:
             pytest.fail(f"transformers 4.57.1 is missing from {TF457}: run `bash scripts/install.sh test`")
-        log = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, log[-4000:]
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
         results[env] = {}
         for s in spec:
             with safe_open(s["out"], "pt") as f:
