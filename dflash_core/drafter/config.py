@@ -161,11 +161,12 @@ class DrafterConfig:
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
         }
-        out.update({k: self.rope[k] for k in ROPE_KEYS if k in self.rope})
+        out.update(self.served_rope())
         out.update({
             "max_position_embeddings": self.max_position_embeddings,
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
+            "use_sliding_window": SLIDING in self.layer_types,  # Qwen3Config drops the window without it
             "attention_bias": False,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
@@ -173,11 +174,32 @@ class DrafterConfig:
         })
         return out
 
+    def served_rope(self) -> dict[str, Any]:
+        """The drafter's RoPE as config.json fields that transformers 4.x and 5.x both read.
+
+        5.x reads ``rope_parameters`` (with ``rope_scaling`` taking precedence, so both are the
+        same); 4.x reads ``rope_theta`` and ``rope_scaling`` and, without ``rope_theta``, silently
+        uses base 10,000. The served Qwen3 layer has one RoPE, so draft layer types with different
+        RoPE cannot be exported.
+        """
+        kinds = {lt: self.rope_parameters(lt) for lt in dict.fromkeys(self.layer_types)}
+        p = next(iter(kinds.values()))
+        if any(q != p for q in kinds.values()):
+            raise ValueError(f"draft layer types with different RoPE cannot be served as one Qwen3 model: {kinds}")
+        p = {k: v for k, v in p.items() if k != "type"}  # "type": the 4.x alias of rope_type
+        scaling = {k: v for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        out = {"rope_theta": p["rope_theta"], "rope_scaling": None if p["rope_type"] == "default" else scaling,
+               "rope_parameters": p}
+        if "partial_rotary_factor" in p:
+            out["partial_rotary_factor"] = p["partial_rotary_factor"]
+        return out
+
     @classmethod
     def from_export_dict(cls, d: Mapping[str, Any]) -> "DrafterConfig":
         """Inverse of ``to_export_dict`` (extra keys such as ``dflash_pipe`` are ignored)."""
         dc = d["dflash_config"]
-        rope = {k: d[k] for k in ROPE_KEYS if d.get(k) is not None}
+        rope = ({"rope_parameters": d["rope_parameters"]} if isinstance(d.get("rope_parameters"), Mapping)
+                else {k: d[k] for k in ROPE_KEYS if d.get(k) is not None})  # our exports: rope_parameters has it all
         cfg = cls(
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],

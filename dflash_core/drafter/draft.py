@@ -16,10 +16,19 @@ def draft_block(model: DFlashDrafter, features: torch.Tensor, positions: torch.T
 
     features [T, k*H]: context features of the T verified tokens (their k target hidden states
     concatenated; the last token's own features are not known yet), positions [T] their positions.
-    The block [last_token, MASK x (B-1)] sits at last_position + 0..B-1 (default positions[-1] + 1)
-    and sees all T context rows and its own block (the training mask with a single document and
-    the anchor right after the context). Returns a LongTensor [B-1] on features' device.
+    The block [last_token, MASK x (B-1)] sits at last_position + 0..B-1 (default positions[-1] + 1).
+    Returns a LongTensor [B-1] on features' device.
     """
+    hidden = draft_hidden(model, features, positions, last_token, embed_weight, last_position)
+    return (hidden.to(lm_head_weight.dtype) @ lm_head_weight.t()).argmax(-1)
+
+
+@torch.no_grad()
+def draft_hidden(model: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, last_token: int,
+                 embed_weight: torch.Tensor, last_position: int | None = None) -> torch.Tensor:
+    """Final-normed hidden states [B-1, H] of slots 1..B-1 of the block after the context
+    (``draft_block``'s arguments): the block sees all T context rows and its own block, i.e. the
+    training mask with a single document and the anchor right after the context."""
     B, dev = model.block_size, features.device
     T = features.shape[0]
     if last_position is None:
@@ -32,6 +41,4 @@ def draft_block(model: DFlashDrafter, features: torch.Tensor, positions: torch.T
     layout = BlockLayout(ctx_doc=torch.zeros(T, dtype=torch.long, device=dev),
                          block_doc=torch.zeros(1, dtype=torch.long, device=dev),
                          block_start=torch.full((1,), T, dtype=torch.long, device=dev), block_size=B)
-    hidden = model(features, ids, positions.to(dev), block_pos, layout, embed_weight, attn_backend="sdpa")
-    logits = hidden[0].to(lm_head_weight.dtype) @ lm_head_weight.t()
-    return logits.argmax(-1)
+    return model(features, ids, positions.to(dev), block_pos, layout, embed_weight, attn_backend="sdpa")[0]

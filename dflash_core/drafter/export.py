@@ -3,6 +3,8 @@
     DIR/config.json        DrafterConfig.to_export_dict() (+ our own metadata under "dflash_pipe")
     DIR/model.safetensors  bf16; exactly the drafter's parameters (export_tensor_names), no
                            embedding or LM head (the server takes them from the target)
+    DIR/modeling_dflash.py hf_model.py, the model code that config.json's "auto_map" names for
+                           AutoModel.from_pretrained(DIR, trust_remote_code=True)
 
 Local destinations are written atomically (temp dir in the same parent, then rename); remote
 ones (fsspec URLs such as s3://) upload the weights first and config.json last.
@@ -25,6 +27,8 @@ from dflash_core.drafter.model import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODEL_CODE_NAME = "modeling_dflash.py"
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 METADATA_KEY = "dflash_pipe"
 
 
@@ -53,7 +57,9 @@ def _write_dir(model: DFlashDrafter, out: Path, extra_metadata: Mapping[str, Any
         raise RuntimeError(f"drafter state dict does not match the export names: {sorted(set(state) ^ set(names))}")
     tensors = {n: state[n].detach().to(device="cpu", dtype=torch.bfloat16).contiguous() for n in names}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    shutil.copyfile(Path(__file__).with_name("hf_model.py"), out / MODEL_CODE_NAME)
     cfg = model.config.to_export_dict()
+    cfg["auto_map"] = dict(AUTO_MAP)
     if extra_metadata:
         cfg[METADATA_KEY] = dict(extra_metadata)
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=False) + "\n")
@@ -73,7 +79,7 @@ def export_drafter(model: DFlashDrafter, dest: str | os.PathLike,
         with tempfile.TemporaryDirectory() as tmp:
             _write_dir(model, Path(tmp), extra_metadata)
             fs.makedirs(path, exist_ok=True)
-            for name in (WEIGHTS_NAME, CONFIG_NAME):  # config last: its presence means complete
+            for name in (WEIGHTS_NAME, MODEL_CODE_NAME, CONFIG_NAME):  # config last: its presence means complete
                 fs.put_file(os.path.join(tmp, name), f"{path.rstrip('/')}/{name}")
         return str(dest)
     out = Path(str(dest).removeprefix("file://"))

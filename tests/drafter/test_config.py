@@ -68,7 +68,7 @@ def test_llama3_rope_matches_transformers_llama():
     assert cfg.to_export_dict()["rope_parameters"] == c.to_dict()["rope_parameters"]
 
 
-def test_v4_style_rope_fields_are_read_and_copied_verbatim():
+def test_v4_style_rope_fields_are_read_and_exported_for_v4_and_v5():
     d = qwen3_config().to_dict()
     del d["rope_parameters"]
     d.update(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0})
@@ -76,8 +76,19 @@ def test_v4_style_rope_fields_are_read_and_copied_verbatim():
     p = cfg.rope_parameters("full_attention")
     assert (p["rope_type"], p["rope_theta"], p["factor"]) == ("linear", 1e6, 2.0)
     out = cfg.to_export_dict()
-    assert out["rope_theta"] == 1e6 and out["rope_scaling"] == {"type": "linear", "factor": 2.0}
-    assert "rope_parameters" not in out
+    assert out["rope_theta"] == 1e6 and out["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert out["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    assert DrafterConfig.from_export_dict(out).rope_parameters("full_attention") == out["rope_parameters"]
+
+
+def test_layer_types_with_different_rope_are_not_exported():
+    d = qwen3_config(use_sliding_window=True, sliding_window=16, max_window_layers=1).to_dict()
+    d["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="different RoPE"):
+        DrafterConfig.from_target(d, num_layers=2, mask_token_id=63).to_export_dict()
+    one_type = DrafterConfig.from_target(d, num_layers=1, mask_token_id=63).to_export_dict()
+    assert (one_type["rope_theta"], one_type["layer_types"]) == (1e6, ["full_attention"])
 
 
 def test_nested_per_layer_type_rope_parameters():

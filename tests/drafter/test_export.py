@@ -1,5 +1,8 @@
 import json
 import os
+from pathlib import Path
+
+import fsspec
 
 import pytest
 import torch
@@ -23,8 +26,9 @@ NAMES_2_LAYERS = [
 CONFIG_KEYS = [
     "architectures", "model_type", "block_size", "dflash_config", "num_target_layers", "num_hidden_layers",
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "rope_parameters", "max_position_embeddings", "layer_types", "sliding_window", "attention_bias",
-    "vocab_size", "tie_word_embeddings", "dtype", "dflash_pipe",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "layer_types",
+    "sliding_window", "use_sliding_window", "attention_bias", "vocab_size", "tie_word_embeddings", "dtype", "auto_map",
+    "dflash_pipe",
 ]
 
 
@@ -41,7 +45,7 @@ def test_export_names_config_and_round_trip(tmp_path):
     model = make_drafter(dtype=torch.bfloat16)
     dest = tmp_path / "drafter"
     export_drafter(model, dest, {"target": "tiny-qwen3", "data": "unit-test"})
-    assert sorted(os.listdir(dest)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(dest)) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     with safe_open(str(dest / "model.safetensors"), "pt") as f:
         assert sorted(f.keys()) == sorted(NAMES_2_LAYERS)
         assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
@@ -53,8 +57,11 @@ def test_export_names_config_and_round_trip(tmp_path):
     assert (cfg["block_size"], cfg["num_target_layers"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (4, 8, 2, 64)
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["head_dim"], cfg["hidden_act"]) == (32, 48, 4, 2, 8, "silu")
+    assert (cfg["rope_theta"], cfg["rope_scaling"]) == (10000.0, None)
     assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["sliding_window"] is None
+    assert cfg["use_sliding_window"] is False
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert (cfg["attention_bias"], cfg["tie_word_embeddings"], cfg["dtype"]) == (False, False, "bfloat16")
     assert cfg["dflash_pipe"] == {"target": "tiny-qwen3", "data": "unit-test"}
     assert read_export_config(dest) == cfg
@@ -71,7 +78,7 @@ def test_float32_model_round_trips_through_bf16(tmp_path):
                          config_kw=dict(use_sliding_window=True, sliding_window=5))
     export_drafter(model, tmp_path / "d")
     cfg = read_export_config(tmp_path / "d")
-    assert "dflash_pipe" not in cfg and cfg["sliding_window"] == 5
+    assert "dflash_pipe" not in cfg and (cfg["sliding_window"], cfg["use_sliding_window"]) == (5, True)
     assert cfg["layer_types"] == ["full_attention", "sliding_attention"]
     loaded = load_drafter(tmp_path / "d", dtype=torch.float32)
     r = packed_row(dtype=torch.float32)
@@ -90,7 +97,9 @@ def test_llama_rope_fields_are_exported_and_reloaded(tmp_path):
                                  num_hidden_layers=8, vocab_size=64, max_position_embeddings=8192, rope_parameters=rope)
     model = DFlashDrafter(c, num_layers=1, block_size=4, mask_token_id=MASK_ID)
     export_drafter(model, f"file://{tmp_path}/d")
-    assert read_export_config(tmp_path / "d")["rope_parameters"] == rope
+    cfg = read_export_config(tmp_path / "d")
+    assert cfg["rope_parameters"] == rope and cfg["rope_theta"] == 5e5  # transformers 5 / 4 read these
+    assert cfg["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
     loaded = load_drafter(tmp_path / "d", dtype=torch.float32)
     assert torch.equal(loaded._rope["full_attention"][0], model._rope["full_attention"][0])
 
@@ -115,5 +124,7 @@ def test_fsspec_url_destination_round_trips():
     model = make_drafter(dtype=torch.bfloat16)
     export_drafter(model, "memory://exports/d", {"step": 7})
     assert read_export_config("memory://exports/d")["dflash_pipe"] == {"step": 7}
+    with fsspec.open("memory://exports/d/modeling_dflash.py", "r") as f:
+        assert f.read() == (Path(export_mod.__file__).parent / "hf_model.py").read_text()
     loaded = load_drafter("memory://exports/d", dtype=torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -16,7 +16,7 @@ from tests.assets import unpack_qwen3_tokenizer
 
 
 
-CKPT_FILES = ("export/config.json", "export/model.safetensors", "train_state.pt",
+CKPT_FILES = ("export/config.json", "export/model.safetensors", "export/modeling_dflash.py", "train_state.pt",
               "pipeline_state.json")
 """What a complete checkpoint directory holds."""
 TINY_TRAIN = dict(num_layers=1, block_size=4, num_anchors=16, lr=1e-2, mask_token_id=5999)
