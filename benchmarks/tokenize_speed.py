@@ -7,6 +7,7 @@ records, and prints tokens/s of both and the ratio (goal: >= 4x). The stage's to
 against the loop's for every record.
 
     python benchmarks/tokenize_speed.py                       # Qwen3 tokenizer of the test assets
+    python benchmarks/tokenize_speed.py --asset qwen3_6       # Qwen3.5/3.6 tokenizer (tests/assets)
     python benchmarks/tokenize_speed.py --records 2000 --tokenizer Qwen/Qwen3-8B
 """
 
@@ -16,16 +17,17 @@ import sys
 from pathlib import Path
 
 import argparse
-import gzip
 import json
 import os
 import random
-import shutil
 import tempfile
 import time
 
-REPO = Path(__file__).resolve().parents[1]
-ASSET = REPO / ".." / "shared" / "assets" / "qwen3-tokenizer"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.assets import QWEN3_6_TOKENIZER, QWEN3_TOKENIZER, unpack_tokenizer  # noqa: E402
+
+ASSETS = {"qwen3": QWEN3_TOKENIZER, "qwen3_6": QWEN3_6_TOKENIZER}
 
 _COMMON = ("the of and to in is that for it as was with be by on not this are or from at which "
            "but have an they we can if so all when there one would what will their more about "
@@ -57,22 +59,13 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
     ]} for _ in range(n)]
 
 
-def qwen3_dir(tmp: Path) -> str:
-    out = tmp / "qwen3-tokenizer"
-    out.mkdir()
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(ASSET / name, out / name)
-    with gzip.open(ASSET / "tokenizer.json.gz", "rb") as src, open(out / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return str(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=3000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--tokenizer", default=None, help="default: the Qwen3 test asset")
+    ap.add_argument("--tokenizer", default=None, help="HF path or hub name (default: --asset)")
+    ap.add_argument("--asset", choices=sorted(ASSETS), default="qwen3", help="test-asset tokenizer")
     args = ap.parse_args()
 
     import pyarrow.ipc as ipc
@@ -83,7 +76,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        tok_name = args.tokenizer or qwen3_dir(tmp)
+        tok_name = args.tokenizer or str(unpack_tokenizer(ASSETS[args.asset], tmp / "tokenizer"))
         records = make_records(args.records)
         data = tmp / "bench.jsonl"
         with open(data, "w") as f:
@@ -118,7 +111,7 @@ def main() -> None:
         same = len(got) == len(naive) and all(a == list(b) for a, b in zip(got, naive))
 
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}  cpus: {os.cpu_count()}  "
-          f"python: {sys.version.split()[0]}")
+          f"python: {sys.version.split()[0]}  tokenizer: {args.tokenizer or args.asset}")
     print(f"records: {args.records}  tokens: {stage_tokens:,} "
           f"({stage_tokens / max(1, args.records):,.0f}/record), "
           f"supervised: {ctx.summary['loss_tokens']:,}")

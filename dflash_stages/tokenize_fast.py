@@ -1,15 +1,15 @@
 """tokenize:chat_template — an exact, faster encoder for byte-level BPE tokenizers of the GPT-4 family.
 
 For long texts the fast tokenizer's time goes to its Oniguruma pre-tokenizer and to per-token
-allocations, not to BPE (whose per-word cache is small). For tokenizers built exactly like Qwen2/2.5/3
-(NFC, a ``Split`` regex from :data:`PATTERNS`, byte-level mapping, plain BPE, added
+allocations, not to BPE (whose per-word cache is small). For tokenizers built exactly like
+Qwen2/2.5/3/3.5/3.6 (NFC, a ``Split`` regex from :data:`PATTERNS`, byte-level mapping, plain BPE, added
 tokens without strip/normalize flags) this encoder does the same steps in Python with a large
 word cache, calling the tokenizer's own BPE model for each new word:
 
 1. split on the added tokens (longest first at each position, as the added vocabulary does);
 2. NFC-normalize each piece (a no-op check for normalized text);
-3. pre-tokenize with the same regex, its ``\\p{L}``, ``\\p{N}`` and ``\\s`` spelled out as explicit
-   classes (Unicode general categories L*/N*, and the White_Space property);
+3. pre-tokenize with the same regex, its ``\\p{L}``, ``\\p{M}``, ``\\p{N}`` and ``\\s`` spelled out as
+   explicit classes (Unicode general categories L*/M*/N*, and the White_Space property);
 4. map each pre-token's UTF-8 bytes to the byte-level alphabet and BPE it (cached).
 
 Texts with characters this Python's Unicode database does not know (or lone surrogates) go to the
@@ -28,10 +28,15 @@ from typing import Any
 
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# the same patterns with {L} {N} {WS} standing for explicit class contents
+# Qwen3.5/3.6: combining marks (\p{M}) join letter runs instead of splitting them off
+_QWEN3_5 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# the same patterns with {L} {M} {N} {WS} standing for explicit class contents
 PATTERNS = {
     _QWEN2: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{L}{N}]?[{L}]+|[{N}]| ?[^{WS}{L}{N}]+[\r\n]*"
             r"|[{WS}]*[\r\n]+|[{WS}]+(?![^{WS}])|[{WS}]+",
+    _QWEN3_5: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{L}{N}]?[{L}{M}]+|[{N}]| ?[^{WS}{L}{M}{N}]+[\r\n]*"
+              r"|[{WS}]*[\r\n]+|[{WS}]+(?![^{WS}])|[{WS}]+",
 }
 # Unicode White_Space (what Oniguruma's \s matches)
 _WHITE_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680),
@@ -51,11 +56,11 @@ def _class(ranges: list[list[int]]) -> str:
 def _unicode_classes() -> dict[str, Any]:
     """Explicit regex classes from this Python's Unicode database (built once per process)."""
     if not _CLASSES:
-        groups: dict[str, list[list[int]]] = {"L": [], "N": [], "?": []}
+        groups: dict[str, list[list[int]]] = {"L": [], "M": [], "N": [], "?": []}
         category = unicodedata.category
         for cp in range(sys.maxunicode + 1):
             c = category(chr(cp))
-            key = c[0] if c[0] in "LN" else ("?" if c in ("Cn", "Cs") else None)
+            key = c[0] if c[0] in "LMN" else ("?" if c in ("Cn", "Cs") else None)
             if key is None:
                 continue
             ranges = groups[key]
@@ -64,6 +69,7 @@ def _unicode_classes() -> dict[str, Any]:
             else:
                 ranges.append([cp, cp])
         _CLASSES["L"] = _class(groups["L"])
+        _CLASSES["M"] = _class(groups["M"])
         _CLASSES["N"] = _class(groups["N"])
         _CLASSES["WS"] = _class([list(r) for r in _WHITE_SPACE])
         # unassigned in this Python (Cn) or surrogates: its tables may disagree with the tokenizer's
@@ -123,7 +129,7 @@ class FastEncoder:
         self.model = backend.model
         self.pattern = PATTERNS[pattern]
         ws = _class([list(r) for r in _WHITE_SPACE if r[1] < 128])
-        self.pre_ascii = re.compile(self.pattern.format(L="A-Za-z", N="0-9", WS=ws))
+        self.pre_ascii = re.compile(self.pattern.format(L="A-Za-z", M="", N="0-9", WS=ws))
         self._pre_unicode: Any = None
         self._unknown: Any = None
         self.added = added
@@ -140,8 +146,8 @@ class FastEncoder:
         if not is_ascii:
             if self._pre_unicode is None:     # built on the first non-ASCII text (~2 s)
                 cls = _unicode_classes()
-                self._pre_unicode = re.compile(self.pattern.format(L=cls["L"], N=cls["N"],
-                                                                   WS=cls["WS"]))
+                self._pre_unicode = re.compile(self.pattern.format(
+                    L=cls["L"], M=cls["M"], N=cls["N"], WS=cls["WS"]))
                 self._unknown = cls["unknown"]
             if self._unknown.search(text):
                 return None

@@ -1,20 +1,32 @@
-"""The shared test assets (``../shared/assets`` beside the repository)."""
+"""The test assets: the shared Qwen3 tokenizer (``../shared/assets`` beside the repository) and the
+Qwen3.6 tokenizer kept in the repository (``tests/assets/``, built by
+``scripts/build_qwen3_6_tokenizer.py``)."""
 
 from __future__ import annotations
 
 import gzip
+import lzma
 import shutil
 from pathlib import Path
 
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "assets" / "qwen3-tokenizer"
+QWEN3_6_TOKENIZER = Path(__file__).resolve().parent / "assets" / "qwen3_6-tokenizer"
+
+
+def unpack_tokenizer(src: Path, dest: Path) -> Path:
+    """Copy a tokenizer asset into ``dest`` with tokenizer.json decompressed (loadable offline)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dest / name)
+    packed = src / "tokenizer.json.gz"
+    opener = gzip.open if packed.exists() else lzma.open
+    with opener(packed if packed.exists() else src / "tokenizer.json.xz", "rb") as f, \
+            open(dest / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(f, dst)
+    return dest
 
 
 def unpack_qwen3_tokenizer(dest: Path) -> Path:
-    """Copy the Qwen3 tokenizer into ``dest`` with tokenizer.json un-gzipped (loadable offline)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(QWEN3_TOKENIZER / name, dest / name)
-    with gzip.open(QWEN3_TOKENIZER / "tokenizer.json.gz", "rb") as src, \
-            open(dest / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return dest
+    """The Qwen3 tokenizer, unpacked into ``dest``."""
+    return unpack_tokenizer(QWEN3_TOKENIZER, dest)

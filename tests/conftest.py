@@ -230,3 +230,18 @@ def qwen3(qwen3_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen3_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_6_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Qwen3.5/3.6 tokenizer with Qwen3.6's chat template (tests/assets), unpacked."""
+    from tests.assets import QWEN3_6_TOKENIZER, unpack_tokenizer
+
+    return str(unpack_tokenizer(QWEN3_6_TOKENIZER, tmp_path_factory.mktemp("qwen3_6-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_6(qwen3_6_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_6_dir, local_files_only=True)
