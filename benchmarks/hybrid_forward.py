@@ -9,10 +9,10 @@ and 16,384 tokens holding 4 documents of uneven lengths and some padding, featur
 config, ``FeatureCapture.capture_row``; flash-linear-attention's varlen kernels when installed).
 
 Per row length:
-- isolation: each document's features in the packed row against the same document alone, max
-  relative difference (max |a - b| / max |b|) over the linear and the full-attention layers read;
-  beside it the noise floor: the same document alone twice, once in a row of its own length and
-  once padded to the packed row's length (other shapes, so other kernel tilings and roundings);
+- isolation: each document's features in the packed row against transformers' own forward of
+  that document alone, max relative difference (max |a - b| / max |b|) over the linear and the
+  full-attention layers read; beside it the noise floor: the same document alone once more, padded
+  to the row's length, through the packed-row path (other kernels and shapes, other roundings);
 - speed: the hooked forward (compiled layers on CUDA, as extract's ``compile: auto``), CUDA events,
   median after warm-up, in tokens/s and TFLOP/s (2 x parameters of the layers run x T); beside it
   transformers' own forward of the same row, whose linear layers run across the documents.
@@ -110,18 +110,21 @@ def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) 
 
 def isolation(capture: FeatureCapture, columns: dict[str, list[int]], ids: np.ndarray, total: int
               ) -> dict[str, tuple[float, float]]:
-    """Layer kind -> (max rel. difference packed vs alone, noise floor: alone vs alone padded)."""
+    """Layer kind -> (max rel. difference of each document's features in the packed row from the
+    model's own forward of that document alone; noise floor: the same document alone again, padded
+    to the row's length, through the packed-row path)."""
+    dev = next(capture.model.parameters()).device
     lengths = [int(total * s) for s in DOC_SHARES]
     packed = capture.capture_row(make_row(ids, lengths, total))[0]
     worst = {kind: [0.0, 0.0] for kind in columns}
     start = 0
     for n in lengths:
         doc = ids[start:start + n]
-        alone = capture.capture_row(make_row(doc, [n], n))[0]
+        own = capture.capture(torch.as_tensor(doc, device=dev)[None])[0][0]  # transformers' forward
         padded = capture.capture_row(make_row(doc, [n], total))[0][:n]
         for kind, cols in columns.items():
-            worst[kind][0] = max(worst[kind][0], rel(packed[start:start + n, cols], alone[:, cols]))
-            worst[kind][1] = max(worst[kind][1], rel(padded[:, cols], alone[:, cols]))
+            worst[kind][0] = max(worst[kind][0], rel(packed[start:start + n, cols], own[:, cols]))
+            worst[kind][1] = max(worst[kind][1], rel(padded[:, cols], own[:, cols]))
         start += n
     return {kind: (a, b) for kind, (a, b) in worst.items()}
 
