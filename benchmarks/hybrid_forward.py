@@ -120,7 +120,8 @@ def isolation(capture: FeatureCapture, columns: dict[str, list[int]], ids: np.nd
     start = 0
     for n in lengths:
         doc = ids[start:start + n]
-        own = capture.capture(torch.as_tensor(doc, device=dev)[None])[0][0]  # transformers' forward
+        mask = row_attention_mask(capture.model, [n], n, capture.model.dtype, dev)  # causal
+        own = capture.capture(torch.as_tensor(doc, device=dev)[None], None, mask)[0][0]  # transformers'
         padded = capture.capture_row(make_row(doc, [n], total))[0][:n]
         for kind, cols in columns.items():
             worst[kind][0] = max(worst[kind][0], rel(packed[start:start + n, cols], own[:, cols]))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_stages.linear_attention import Kernels, linear_mixers, varlen_mixer
+from dflash_stages.linear_attention import Kernels, fla_kernels, linear_mixers, varlen_mixer
 from dflash_stages.packed_attention import layer_windows, row_attention_mask
 from tests.assets import unpack_qwen3_tokenizer
 from tests.stages.test_extract import extract, packed_row
@@ -23,6 +23,10 @@ TYPES = ["linear_attention", "linear_attention", "full_attention",
 LINEAR, FULL = [0, 3], [2, 5]
 DOCS = (70, 33, 101)  # the first and last cross the recurrence's 64-token chunks
 PAD = 12
+ON_CPU = pytest.mark.skipif(fla_kernels() is not None, reason="with fla installed, transformers runs the "
+                            "layers' own forward on fla's kernels, which need CUDA")
+FLA_FP32_TOL = 2e-4
+"""fla's Triton kernels round differently from transformers' torch code in fp32 (checked on an H200)."""
 
 
 def text_config() -> dict:
@@ -63,6 +67,7 @@ def per_layer(feats: torch.Tensor, layers: list[int], wanted: list[int]) -> torc
     return torch.cat([feats[:, layers.index(t) * H:(layers.index(t) + 1) * H] for t in wanted], dim=-1)
 
 
+@ON_CPU
 @pytest.mark.parametrize(("hybrid", "attn"), [("text", "sdpa"), ("text", "packed_flex"),
                                               ("vision_language", "sdpa")], indirect=["hybrid"])
 def test_each_document_of_a_packed_row_gets_its_features_alone(hybrid: Path, attn: str, tmp_path: Path) -> None:
@@ -91,6 +96,7 @@ def test_each_document_of_a_packed_row_gets_its_features_alone(hybrid: Path, att
         assert rel(mixed, per_layer(packed["features"][later], layers, kind)) > 1e-2
 
 
+@ON_CPU
 @pytest.mark.parametrize("hybrid", ["text"], indirect=True)
 def test_compiled_layers_keep_documents_apart(hybrid: Path, tmp_path: Path) -> None:
     """``compile: on``: decoder layers compiled around the replaced linear mixers still cut each
@@ -135,6 +141,7 @@ def reference_kernels(mixer: torch.nn.Module) -> Kernels:
     return Kernels(conv, rule)
 
 
+@ON_CPU
 def test_varlen_mixer_is_the_layers_own_forward_per_document() -> None:
     """The CUDA path's mixer (written from the math, fla's kernels swapped for transformers' torch
     code) on a packed row equals each linear layer's own forward on each document alone (and on
@@ -155,6 +162,25 @@ def test_varlen_mixer_is_the_layers_own_forward_per_document() -> None:
             assert rel(got, alone) <= 1e-5
             crossing = varlen_mixer(mixer, x, cu[[0, -1]], reference_kernels(mixer))
             assert rel(crossing, mixer(x)) <= 1e-5 and rel(crossing, alone) > 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fla_kernels() is None,
+                    reason="needs CUDA and flash-linear-attention (the gpu extra)")
+def test_fla_kernels_cut_the_row_like_the_layers_own_forward_per_document() -> None:
+    """On CUDA, fp32: the mixer with fla's varlen kernels equals each linear layer's own forward on
+    each document alone (and on the padding)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text_config())).cuda().eval()
+    lengths = [*DOCS, PAD]
+    x = torch.randn(1, sum(lengths), H, device="cuda")
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    with torch.no_grad():
+        for mixer in linear_mixers(model):
+            got = varlen_mixer(mixer, x, cu, fla_kernels())
+            alone = torch.cat([mixer(part) for part in x.split(lengths, dim=1)], dim=1)
+            assert rel(got, alone) <= FLA_FP32_TOL
 
 
 def test_masks_for_a_hybrid_model() -> None:
