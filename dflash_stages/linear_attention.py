@@ -136,6 +136,7 @@ class DocumentBoundaries:
             self._lengths = self._cu_seqlens = None
 
     def _replacement(self, mixer: nn.Module, own: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The mixer's new forward: its own outside a packed row, cut at the documents inside one."""
         varlen = self.kernels is not None and all(hasattr(mixer, n) for n in VARLEN_LAYOUT)
 
         @torch.compiler.disable
