@@ -31,6 +31,10 @@ request and tries to load it from the hub."""
 IMPLEMENTATIONS = ("auto", "sdpa", "eager", NAME)
 """What the extract stage accepts: auto = packed_flex on CUDA, sdpa elsewhere."""
 
+LINEAR_KINDS = ("linear_attention",)
+"""Layer types that take no attention mask (Gated DeltaNet): ``dflash_stages.linear_attention`` cuts
+them at the documents instead; they get ``None`` in a per-layer-type mask dict."""
+
 MaskMod = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
@@ -145,22 +149,25 @@ def packed_block_mask(doc_lengths: Sequence[int], total: int, device: torch.devi
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:
-    """Layer type -> sliding window (None = full attention) of the model's decoder layers.
+    """Layer type -> sliding window (None = full attention) of the model's attention layers.
 
     Models with ``layer_types`` (Qwen3, Gemma...) name each layer's kind; models without it use
-    one kind everywhere (sliding iff ``config.sliding_window`` is set, as Mistral does)."""
+    one kind everywhere (sliding iff ``config.sliding_window`` is set, as Mistral does). Linear
+    layers (``LINEAR_KINDS``) take no mask and are left out."""
     window = getattr(config, "sliding_window", None)
     types = list(getattr(config, "layer_types", None) or [])
     if not types:
         types = ["sliding_attention" if window else "full_attention"]
     out: dict[str, int | None] = {}
     for kind in dict.fromkeys(types):
+        if kind in LINEAR_KINDS:
+            continue
         if kind == "full_attention":
             out[kind] = None
         elif kind == "sliding_attention" and window:
             out[kind] = int(window)
         else:
-            raise ValueError(f"{NAME} supports full and sliding-window attention layers, not "
+            raise ValueError(f"{NAME} supports full, sliding-window and linear attention layers, not "
                              f"{kind!r} (sliding_window={window}); use attn_implementation: sdpa")
     return out
 
@@ -168,8 +175,9 @@ def layer_windows(config: Any) -> dict[str, int | None]:
 def packed_model_mask(config: Any, doc_lengths: Sequence[int], total: int,
                       device: torch.device | str) -> Any:
     """What a ``packed_flex`` model takes as ``attention_mask`` for one packed row: one BlockMask
-    when all its layers are of one kind, else ``{layer type: BlockMask}`` (full and sliding)."""
-    return _per_layer_kind(layer_windows(config), lambda w: packed_block_mask(
+    when all its layers are of one kind, else ``{layer type: BlockMask}`` (full and sliding; None
+    for linear layers)."""
+    return _per_layer_kind(config, layer_windows(config), lambda w: packed_block_mask(
         doc_lengths, total, device, sliding_window=w))
 
 
@@ -178,19 +186,22 @@ def row_attention_mask(model: torch.nn.Module, doc_lengths: Sequence[int], total
     """The packed-row mask for the model's attention implementation: the BlockMask(s) for
     packed_flex, the 4D additive block-diagonal causal mask(s) for sdpa / eager (one per layer
     kind as well: a 4D mask is used as given, so sliding layers need their own)."""
+    config = model.config.get_text_config()  # a vision-language model's mask is its text model's
     if getattr(model.config, "_attn_implementation", None) == NAME:
-        return packed_model_mask(model.config, doc_lengths, total, device)
+        return packed_model_mask(config, doc_lengths, total, device)
     from dflash_stages.target import packed_attention_mask
 
     try:
-        windows = layer_windows(model.config)
+        windows = layer_windows(config)
     except ValueError:  # other layer kinds: the plain document-causal mask everywhere
         windows = {"full_attention": None}
-    return _per_layer_kind(windows, lambda w: packed_attention_mask(
+    return _per_layer_kind(config, windows, lambda w: packed_attention_mask(
         doc_lengths, total, dtype, device, sliding_window=w))
 
 
-def _per_layer_kind(windows: dict[str, int | None], build: Callable[[int | None], Any]) -> Any:
-    """One mask when every layer is of one kind, else ``{layer type: mask}`` (one per window)."""
+def _per_layer_kind(config: Any, windows: dict[str, int | None], build: Callable[[int | None], Any]) -> Any:
+    """One mask when every layer is of one kind, else ``{layer type: mask}`` (one per window, None
+    for linear layers: given a dict, the model builds no masks of its own)."""
     masks = {kind: build(w) for kind, w in windows.items()}
+    masks.update(dict.fromkeys(k for k in getattr(config, "layer_types", None) or [] if k in LINEAR_KINDS))
     return next(iter(masks.values())) if len(masks) == 1 else masks

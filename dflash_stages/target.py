@@ -9,7 +9,7 @@ the ±1 layer-id convention is decided here once: id t = output of decoder layer
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -110,9 +110,10 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
     ``packed_flex`` (registered here first; see ``dflash_stages.packed_attention``), or ``auto``
     (packed_flex on CUDA, sdpa elsewhere).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from dflash_stages import linear_attention, packed_attention
 
-    from dflash_stages import packed_attention
+    linear_attention.bind_fla()  # before transformers imports a hybrid model's module
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "auto":
         attn_implementation = packed_attention.resolve_attn_implementation("auto", device)
@@ -210,7 +211,8 @@ class FeatureCapture:
 
     With ``last_hidden`` the final-normed last hidden state is returned too (needed only by
     the ``target_argmax``/``kl`` losses); otherwise the forward stops after the highest
-    chosen layer.
+    chosen layer. In hybrid targets the linear-attention layers are cut at each packed row's
+    documents (``dflash_stages.linear_attention``).
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], last_hidden: bool = False) -> None:
@@ -221,6 +223,9 @@ class FeatureCapture:
         self.layer_ids = validate_target_layer_ids(layer_ids, len(self.layers))
         self.last_hidden = last_hidden
         self._out: dict[int, torch.Tensor] = {}
+        from dflash_stages.linear_attention import document_boundaries
+
+        self._documents = document_boundaries(model)
 
     @contextmanager
     def _hooks(self, stop_early: bool) -> Iterator[None]:
@@ -265,7 +270,8 @@ class FeatureCapture:
         pos = torch.as_tensor(row["position_ids"], dtype=torch.long)
         lengths = [int(n) for n in row["doc_lengths"]]
         mask = row_attention_mask(self.model, lengths, ids.shape[0], p.dtype, p.device)
-        feats, last = self.capture(ids.to(p.device)[None], pos.to(p.device)[None], mask)
+        with self._documents.row(lengths, ids.shape[0]) if self._documents else nullcontext():
+            feats, last = self.capture(ids.to(p.device)[None], pos.to(p.device)[None], mask)
         return feats[0], None if last is None else last[0]
 
     @torch.no_grad()

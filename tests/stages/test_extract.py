@@ -34,7 +34,7 @@ def hf_model(target: Path):
 
 
 def extract(target: Path, rows: list[dict], tmp_path: Path, **cfg) -> list[dict]:
-    stage = HFHooksExtract(ExtractConfig(model=str(target), layers=LAYERS, **cfg))
+    stage = HFHooksExtract(ExtractConfig(**{"model": str(target), "layers": LAYERS, **cfg}))
     ctx = StageContext(stage="extract", config=stage.config, device="cpu", run_dir=str(tmp_path),
                        work_dir=str(tmp_path), cache_dir=str(tmp_path))
     return list(stage.run({"rows": rows}, ctx))
