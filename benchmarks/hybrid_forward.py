@@ -44,18 +44,11 @@ from dflash_core.devices import compile_wanted
 from dflash_core.drafter import default_target_layer_ids
 from dflash_stages.linear_attention import fla_kernels
 from dflash_stages.packed_attention import row_attention_mask
-from dflash_stages.target import FeatureCapture, compile_layers, decoder_layers, load_target
+from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, decoder_layers, load_target
 
-QWEN36_27B = dict(
-    model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-    num_hidden_layers=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-    tie_word_embeddings=False)
-"""The text model of Qwen3.6-27B (public config; ``layer_types`` is repeated to the layer count)."""
+QWEN36_27B = PRESETS["qwen3.6-27b"]
+"""The text model of Qwen3.6-27B (the ``random:qwen3.6-27b`` preset; its layer types come from
+the config class's default, 3 linear + 1 full attention, repeated)."""
 TINY = dict(QWEN36_27B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -70,8 +63,9 @@ def target_config(args: argparse.Namespace) -> dict[str, Any]:
         raw = json.loads(Path(args.config).read_text())
     else:
         raw = dict(TINY if args.tiny else QWEN36_27B)
-    pattern = raw.get("layer_types") or ["full_attention"]
-    raw["layer_types"] = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
+    pattern = raw.get("layer_types")
+    if pattern:  # a short pattern repeats to the layer count; none: the config class's default
+        raw["layer_types"] = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
     return raw
 
 
