@@ -19,7 +19,8 @@ from tests.stages.test_extract import extract, packed_row
 
 H = 64
 TYPES = ["linear_attention", "linear_attention", "full_attention",
-         "linear_attention", "linear_attention", "full_attention"]
+         "linear_attention", "linear_attention", "full_attention", "linear_attention"]
+"""The last layer is not a readable feature layer (serving reads it after the final norm)."""
 LINEAR, FULL = [0, 3], [2, 5]
 DOCS = (70, 33, 101)  # the first and last cross the recurrence's 64-token chunks
 PAD = 12
@@ -30,7 +31,7 @@ FLA_FP32_TOL = 2e-4
 
 
 def text_config() -> dict:
-    """A tiny Qwen3.5 text model: 6 layers mixing both kinds, more value heads than key heads
+    """A tiny Qwen3.5 text model: 7 layers mixing both kinds, more value heads than key heads
     (as in Qwen3.6-27B), partial rotary; initializer_range 0.1 keeps hidden states ~1."""
     return dict(vocab_size=6000, hidden_size=H, intermediate_size=128, num_hidden_layers=len(TYPES),
                 layer_types=TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
