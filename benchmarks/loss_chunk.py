@@ -1,9 +1,9 @@
 """LM-head loss chunk benchmark: Inductor's fused chunk vs the Triton kernels of ``loss_triton``.
 
 One chunk of the drafter step's loss (960 rows of the 7,680 predicted slots; the LM head of the
-drafter for Qwen3-8B, vocabulary 151,936 x hidden 4,096, or ``--shape``'s; bf16): both versions against a float64 reference (loss, argmax, gradient),
-then GPU time by CUDA events (median of 20 after 5, each call queued behind a spin kernel): the
-whole chunk (two products and the softmax passes), the two products alone, and the softmax
+drafter for Qwen3-8B, vocabulary 151,936 x hidden 4,096, or ``--shape``'s; bf16): both versions
+against a float64 reference (loss, argmax, gradient), then GPU time by CUDA events (median of 20
+after 5, each call queued behind a spin kernel): the whole chunk (two products and the softmax passes), the two products alone, and the softmax
 passes alone (``softmax_grad_`` on a logits buffer), at a few tile sizes; also each version's
 first call (its compile). Bandwidth counts three passes over the bf16 logits (read, read, write).
 
