@@ -209,7 +209,9 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     step(laps.mark)
     phases = laps.phases()
     first = time.perf_counter() - t0
-    log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")")
+    first_peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")"
+        f"; peak {first_peak} GiB")
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     common = dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                   torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(), tokens=s["T"],
                   anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,
-                  first_step_phases_s=phases, steps=args.steps, flex_options=model.flex_kernel_options,
+                  first_step_phases_s=phases, first_step_peak_gib=first_peak, steps=args.steps, flex_options=model.flex_kernel_options,
                   flex_tile=model.flex_tile, adamw=type(opt).__name__, cuda_graph=None)
     results = [{**common, **measure(args, backend, s, functools.partial(step, chunk_rows=n), n)}
                for n in args.chunk_rows]
@@ -232,8 +234,9 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
 
 def measure(args: argparse.Namespace, backend: str, s: dict[str, Any], step: Callable[..., torch.Tensor],
             chunk_rows: int) -> dict[str, Any]:
-    """Step time (synced steps by CUDA events, and back to back), TFLOP/s, peak memory, host
-    syncs and time, and with ``--breakdown`` the time by phase, all at one loss chunk size."""
+    """Step time (synced steps by CUDA events, and back to back), TFLOP/s, peak memory (from the
+    first warm-up step on), host syncs and time, and with ``--breakdown`` the time by phase, all
+    at one loss chunk size."""
     dev, label = s["device"], f"[{backend} chunk-rows {chunk_rows}]"
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -281,10 +284,10 @@ def measure(args: argparse.Namespace, backend: str, s: dict[str, Any], step: Cal
 
 def describe_shape(cfg: DrafterConfig) -> str:
     """The dimensions that set the step's FLOPs, for the log."""
-    return (f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
-            f"{cfg.num_layers} layers of {cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads x "
-            f"{cfg.head_dim}, rope {cfg.rope_parameters(cfg.layer_types[0])}, target layers "
-            f"{cfg.target_layer_ids} of {cfg.num_target_layers}, mask token {cfg.mask_token_id}")
+    from dflash_stages.drafter_init import describe as describe_layers
+
+    return (f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, target "
+            f"layers {cfg.target_layer_ids} of {cfg.num_target_layers}; {describe_layers(cfg)}")
 
 
 def compile_by_graph() -> str:
