@@ -211,7 +211,7 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     first = time.perf_counter() - t0
     first_peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")"
-        f"; peak {first_peak} GiB")
+        + ("" if first_peak is None else f"; peak {first_peak:.1f} GiB"))
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
