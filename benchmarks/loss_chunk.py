@@ -1,14 +1,15 @@
 """LM-head loss chunk benchmark: Inductor's fused chunk vs the Triton kernels of ``loss_triton``.
 
-One chunk of the drafter step's loss (960 rows of the 7,680 predicted slots, Qwen3 vocabulary
-151,936, hidden 4,096, bf16): both versions against a float64 reference (loss, argmax, gradient),
-then GPU time by CUDA events (median of 20 after 5, each call queued behind a spin kernel): the
-whole chunk (two products and the softmax passes), the two products alone, and the softmax
+One chunk of the drafter step's loss (960 rows of the 7,680 predicted slots; the LM head of the
+drafter for Qwen3-8B, vocabulary 151,936 x hidden 4,096, or ``--shape``'s; bf16): both versions
+against a float64 reference (loss, argmax, gradient), then GPU time by CUDA events (median of 20
+after 5, each call queued behind a spin kernel): the whole chunk (two products and the softmax passes), the two products alone, and the softmax
 passes alone (``softmax_grad_`` on a logits buffer), at a few tile sizes; also each version's
 first call (its compile). Bandwidth counts three passes over the bf16 logits (read, read, write).
 
     python benchmarks/loss_chunk.py               # the H200 run
     python benchmarks/loss_chunk.py --rows 1920 --variants 4096x4   # larger chunks (--chunk-rows 2048)
+    python benchmarks/loss_chunk.py --shape qwen3.6-27b --rows 3840  # the 27B drafter's LM head (V 248,320)
     python benchmarks/loss_chunk.py --tiny        # smoke test (CPU: Triton's interpreter, no Inductor)
 """
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_core.drafter import loss as loss_mod
 from dflash_core.drafter import loss_triton
 
-from train_step import median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
+from train_step import SHAPES, drafter_shape, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 
 STEP_ROWS = 7680  # predicted slots of the reference step: 512 blocks x 15
 VARIANTS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
@@ -42,6 +43,8 @@ VARIANTS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    p.add_argument("--shape", default="qwen3-8b", choices=[n for n in SHAPES if n != "tiny"],
+                   help="vocabulary and hidden size: those of the drafter for this target (train_step.py)")
     p.add_argument("--rows", type=int, default=None, help="rows per chunk (default 960; tiny 16)")
     p.add_argument("--variants", type=lambda v: tuple(tuple(int(n) for n in x.split("x")) for x in v.split(",")),
                    default=None, help="tile x warps of the Triton version, e.g. 4096x4,2048x4 (default: a sweep)")
@@ -49,7 +52,8 @@ def main() -> int:
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = args.rows or (16 if args.tiny else 960)
-    V, H = (1000, 64) if args.tiny else (151_936, 4096)
+    cfg = None if args.tiny else drafter_shape(args.shape)
+    V, H = (1000, 64) if cfg is None else (cfg.vocab_size, cfg.hidden_size)
     variants = args.variants or (((256, 4),) if args.tiny else VARIANTS)
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(rows, H, device=dev, generator=g).to(torch.bfloat16)

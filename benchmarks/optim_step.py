@@ -1,13 +1,14 @@
 """Optimizer-step benchmark: the drafter's AdamW + clip, torch's fused kernels vs the Triton ones.
 
-Qwen3-8B-dimension drafter (5 layers, 1.05B parameters, bf16), random gradients. Checks both
-against a float32 AdamW + clip_grad_norm_ (three steps), then times the GPU work with CUDA
-events (median of 20 after 5 warm-up calls, each queued behind a spin kernel): the clip's norm,
+The drafter for Qwen3-8B (5 layers, 1.05B parameters, bf16; ``--shape`` as in train_step.py), random
+gradients. Checks both against a float32 AdamW + clip_grad_norm_ (three steps), then times the GPU
+work with CUDA events (median of 20 after 5 warm-up calls, each queued behind a spin kernel): the clip's norm,
 the AdamW update, and the two together (``clipped_step``, as the trainer calls them); also the
 Triton kernels' first call (their compile) and a few block sizes. Bandwidth counts 14 bytes per
 bf16 parameter for the update (read p, g, m, v; write p, m, v) and 2 for the norm.
 
     python benchmarks/optim_step.py                 # the H200 run
+    python benchmarks/optim_step.py --shape qwen3.6-27b  # the drafter for Qwen3.6-27B
     python benchmarks/optim_step.py --tiny          # smoke test (CPU: Triton's interpreter)
 """
 
@@ -33,25 +34,25 @@ from dflash_core.drafter import DFlashDrafter
 from dflash_core.drafter import adamw_triton
 from dflash_core.drafter.optim import adamw, clipped_step
 
-from train_step import QWEN3_8B, TINY, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
+from train_step import SHAPES, drafter_shape, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--shape", default="qwen3-8b", choices=SHAPES)
+    p.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="--shape tiny")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="directory for optim_step.json")
     args = p.parse_args()
     dev = torch.device(args.device)
-    warmup, reps = (1, 3) if args.tiny else (5, 20)
+    warmup, reps = (1, 3) if args.shape == "tiny" else (5, 20)
 
     def timed(fn: Callable[[], Any]) -> float:  # the GPU time of fn's kernels (queued behind a spin kernel)
         return median_ms(fn, dev, warmup, reps, behind_spin=True)
 
-    cfg = TINY if args.tiny else QWEN3_8B
     torch.manual_seed(0)
-    model = DFlashDrafter(cfg, num_layers=args.layers, mask_token_id=cfg["vocab_size"] - 1)
+    model = DFlashDrafter(drafter_shape(args.shape, args.layers))
     start = [t.detach().to(dev, torch.bfloat16) for t in model.parameters()]
     n = sum(t.numel() for t in start)
     g = torch.Generator(device=dev).manual_seed(1)

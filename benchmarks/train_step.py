@@ -1,16 +1,21 @@
 """Drafter training-step benchmark: step time, tokens/s, TFLOP/s (DESIGN §8 FLOP model), peak memory.
 
-Default: CUDA, Qwen3-8B dimensions (random weights, no downloads), one 8,192-token packed row of 3
-documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW (fused on CUDA), grad clip 1.0.
+Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no downloads), one
+8,192-token packed row of 3 documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW
+(fused on CUDA), grad clip 1.0. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
+5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
 
     python benchmarks/train_step.py                      # the H200 run
-    python benchmarks/train_step.py --device cpu --tiny  # smoke test (any machine)
+    python benchmarks/train_step.py --shape qwen3.6-27b --breakdown --chunk-rows 2560,3840,7680
+    python benchmarks/train_step.py --device cpu --shape tiny  # smoke test (any machine; --tiny too)
     python benchmarks/train_step.py --out results/       # also write results/train_step.json
     python benchmarks/train_step.py --profile results/   # + torch.profiler top-kernel tables
     python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
     python benchmarks/train_step.py --adamw-kernel torch # torch's fused AdamW instead of the Triton one
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
     python benchmarks/train_step.py --cuda-graph         # + the step captured as a CUDA graph, replayed
+    python benchmarks/train_step.py --breakdown          # + the step's time phase by phase (step_phases.py)
+    python benchmarks/train_step.py --chunk-rows 3840,7680  # one table row per LM-head loss chunk size
 
 The back-to-back steps are timed with nvidia-smi sampling the GPU beside them (``gpu_clocks.py``):
 the SM clock and power it held, since the H200 runs this step at its power limit.
@@ -25,6 +30,7 @@ import sys
 
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -40,24 +46,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.devices import compile_wanted
 from dflash_core.drafter.attention import flex_kernel_options, flex_tile, resolve_backend
+from dflash_core.drafter.loss import loss_chunks
 from dflash_core.drafter.optim import adamw, clipped_step
 from dflash_stages import compile_cache
-from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, build_blocks, doc_ids_from_lengths,
+from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
+from step_phases import LOSS, PhaseClock, breakdown, breakdown_table  # noqa: E402
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_hidden_layers=8, vocab_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
+"""The ``tiny`` shape's target: small enough for a CPU smoke test."""
+SHAPES = ("tiny", "qwen3-8b", "qwen3.6-27b")
+"""``--shape``: ``tiny``, or the target ``random:NAME`` of ``dflash_stages.target.PRESETS``."""
+
+
+def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterConfig:
+    """The drafter a run builds for the target ``random:NAME`` (``TINY`` for ``tiny``): attention
+    shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
+    header extract would send, so the benchmark's dimensions are the package's own."""
+    from dflash_stages.drafter_init import drafter_config
+    from dflash_stages.train import TrainConfig
+
+    if name == "tiny":
+        target = dict(TINY)
+    else:
+        from dflash_core.drafter.config import config_dict
+        from dflash_stages.target import random_config
+
+        target = config_dict(random_config(name))
+    V, H = target["vocab_size"], target["hidden_size"]
+    header = {"config": target, "embed_weight": torch.empty(V, H, device="meta"), "target_layer_ids": None,
+              "tokenizer_len": V - 1}  # a random target's stand-in tokenizer: every row but the last
+    return drafter_config(header, TrainConfig(num_layers=layers, block_size=block_size))[0]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """Options shared with flex_vs_sdpa.py."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny dims and row (smoke test)")
+    p.add_argument("--shape", default="qwen3-8b", choices=SHAPES,
+                   help="the target whose drafter is timed (tiny: small dims and row, a smoke test)")
+    p.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="--shape tiny")
     p.add_argument("--tokens", type=int, default=None, help="packed row length (default 8192; tiny 256)")
     p.add_argument("--docs", type=int, default=3)
     p.add_argument("--anchors", type=int, default=None, help="anchors per row (default 512; tiny 16)")
@@ -83,17 +113,19 @@ def make_row(T: int, docs: int, vocab: int, seed: int) -> dict[str, Any]:
 
 
 def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> dict[str, Any]:
-    """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised)."""
+    """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised).
+    The weights and features are drawn on the device (the 27B shape's are billions of numbers)."""
     dev = torch.device(args.device)
-    cfg = TINY if args.tiny else QWEN3_8B
-    T = args.tokens or (256 if args.tiny else 8192)
-    N = args.anchors or (16 if args.tiny else 512)
+    tiny = args.shape == "tiny"
+    cfg = drafter_shape(args.shape, args.layers, args.block_size)
+    T = args.tokens or (256 if tiny else 8192)
+    N = args.anchors or (16 if tiny else 512)
     torch.manual_seed(args.seed)
-    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    V, H = cfg.vocab_size, cfg.hidden_size
     row = make_row(T, args.docs, V, args.seed)
-    g = row["generator"]
-    model = DFlashDrafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=V - 1,
-                          attn_backend=backend).to(device=dev, dtype=dtype)
+    g = row["generator"] if dev.type == "cpu" else torch.Generator(dev).manual_seed(args.seed)
+    with dev:
+        model = DFlashDrafter(cfg, attn_backend=backend).to(dtype=dtype)
     model.flex_kernel_options = flex_kernel_options(getattr(args, "flex_options", "auto"), dev,
                                                     model.config.head_dim, dtype)
     model.flex_tile = flex_tile(getattr(args, "flex_tile", "auto"), dev, model.config.head_dim, dtype,
@@ -103,9 +135,9 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> di
         model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
         input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev), loss_mask_cpu=row["loss_mask"],
         position_ids=row["position_ids"].to(dev),
-        features=torch.randn(T, k * H, generator=g).to(dev, dtype),
-        embed=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
-        lm_head=(torch.randn(V, H, generator=g) * 0.02).to(dev, dtype),
+        features=torch.randn(T, k * H, generator=g, device=dev).to(dtype),
+        embed=(torch.randn(V, H, generator=g, device=dev) * 0.02).to(dtype),
+        lm_head=(torch.randn(V, H, generator=g, device=dev) * 0.02).to(dtype),
     )
 
 
@@ -131,9 +163,12 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
+    """Build, compile and take the first step once, then time the step at each ``--chunk-rows``
+    value (one result each: only the LM-head loss chunks change between them)."""
     s = make_setup(args, torch.bfloat16, backend)
     model, dev = s["model"], s["device"]
+    log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
     compiled = compile_wanted(args.compile, dev)
     loaded = False
     if compiled:
@@ -143,33 +178,26 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
     gen = torch.Generator().manual_seed(args.seed)
 
-    def step(phases: dict[str, float] | None = None) -> torch.Tensor:
-        """One training step; ``phases``: filled with the seconds of its forward, backward and
-        optimizer, each synced (the first step's split of its compile time)."""
-        t = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal t
-            if phases is not None:
-                sync(dev)
-                phases[name], t = time.perf_counter() - t, time.perf_counter()
-
+    def step(mark: Callable[[str], None] = lambda _: None, chunk_rows: int = args.chunk_rows[0]) -> torch.Tensor:
+        """One training step; ``mark`` is called at its start and after its forward, backward
+        and optimizer (a ``PhaseClock``'s, to split the step's time)."""
+        mark("start")
         # anchors are drawn on the host from a host copy of the mask, as the trainer does (a
         # .cpu() of the GPU mask here would wait for the previous step and serialise the steps)
         anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"], gen)
         out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
                            anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
-                           chunk_rows=args.chunk_rows)
-        lap("forward")
+                           chunk_rows=chunk_rows)
+        mark("forward")
         out.loss.backward()
-        lap("backward")
+        mark("backward")
         if args.clip == "separate":  # the clip as a pass of its own (before clipped_step)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
         else:
             clipped_step(opt, 1.0)
         opt.zero_grad(set_to_none=True)
-        lap("optimizer")
+        mark("optimizer")
         return anchors
 
     if dev.type == "cuda":
@@ -177,20 +205,46 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     sync(dev)
     t0 = time.perf_counter()
     log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded}; {type(opt).__name__})...")
-    phases: dict[str, float] = {}
-    step(phases)
+    laps = PhaseClock(dev, wall=True)  # the first step's compile time, split by phase
+    step(laps.mark)
+    phases = laps.phases()
     first = time.perf_counter() - t0
-    log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")")
+    first_peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")"
+        + ("" if first_peak is None else f"; peak {first_peak:.1f} GiB"))
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
     if compiled and args.compile_cache and not loaded:
         compile_cache.save(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
+    common = dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
+                  torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(), tokens=s["T"],
+                  anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,
+                  first_step_phases_s=phases, first_step_peak_gib=first_peak, steps=args.steps, flex_options=model.flex_kernel_options,
+                  flex_tile=model.flex_tile, adamw=type(opt).__name__, cuda_graph=None)
+    results = [{**common, **measure(args, backend, s, functools.partial(step, chunk_rows=n), n)}
+               for n in args.chunk_rows]
+    if args.cuda_graph:
+        results[0]["cuda_graph"] = cuda_graph_compare(args, s, opt, compiled, results[0]["steady_ms"] / 1e3,
+                                                      args.chunk_rows[0])
+    if args.profile:
+        profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
+    return results
+
+
+def measure(args: argparse.Namespace, backend: str, s: dict[str, Any], step: Callable[..., torch.Tensor],
+            chunk_rows: int) -> dict[str, Any]:
+    """Step time (synced steps by CUDA events, and back to back), TFLOP/s, peak memory (from the
+    first warm-up step on), host syncs and time, and with ``--breakdown`` the time by phase, all
+    at one loss chunk size."""
+    dev, label = s["device"], f"[{backend} chunk-rows {chunk_rows}]"
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     for i in range(args.warmup):
         t1 = time.perf_counter()
         step()
         sync(dev)
-        log(f"[{backend}] warm-up step {i + 1}: {time.perf_counter() - t1:.2f}s")
+        log(f"{label} warm-up step {i + 1}: {time.perf_counter() - t1:.2f}s")
     host_syncs = count_host_syncs(step, dev)
     host = host_ms(step, dev)
     times, flops = [], []
@@ -206,27 +260,34 @@ def run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             t0 = time.perf_counter()
             anchors = step()
             times.append(time.perf_counter() - t0)
-        flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors))["step"])
+        flops.append(training_flops(s["cfg"], s["T"], anchors.numel(), attended_pairs(s, anchors)))
     med = statistics.median(times)
-    tflops = statistics.median(f / t for f, t in zip(flops, times)) / 1e12
+    tflops = statistics.median(f["step"] / t for f, t in zip(flops, times)) / 1e12
+    step_flop = statistics.mean(f["step"] for f in flops)
     with ClockLog(dev) as clocks:  # the clock the chip held: it runs this step at its power limit
         steady = back_to_back_s(step, dev, args.steps)
-    log(f"[{backend}] back to back: {describe(clocks.summary)}")
-    log(f"[{backend}] steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
+    log(f"{label} back to back: {describe(clocks.summary)}")
+    log(f"{label} steps alone (synced each): median {med * 1e3:.1f} ms; back to back: {steady * 1e3:.1f} ms/step; "
         f"host syncs per step: {host_syncs}; host time per step: {host if host is None else round(host, 1)} ms")
-    graphed = cuda_graph_compare(args, s, opt, compiled, steady) if args.cuda_graph else None
-    if args.profile:
-        profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
-    return dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
-                torch=torch.__version__, tokens=s["T"], anchors=s["N"],
-                block_size=args.block_size, layers=args.layers, first_step_s=first, step_ms_median=med * 1e3,
-                step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med, tflop_per_step=statistics.mean(flops) / 1e12,
-                tflop_per_s=tflops, first_step_phases_s=phases, host_syncs=host_syncs, host_ms=host,
+    n_chunks, size = loss_chunks(s["N"] * (args.block_size - 1), chunk_rows)
+    phases = breakdown(step, s["model"], dev, args.breakdown) if args.breakdown else None
+    lm_head_flop = 2 * statistics.mean(f["lm_head"] for f in flops)  # both products, in the forward
+    return dict(chunk_rows=chunk_rows, loss_chunks=f"{n_chunks}x{size}",
+                step_ms_median=med * 1e3, step_ms_min=min(times) * 1e3, tokens_per_s=s["T"] / med,
+                tflop_per_step=step_flop / 1e12, tflop_per_s=tflops, host_syncs=host_syncs, host_ms=host,
                 steady_ms=steady * 1e3, steady_gpu_clock=clocks.summary, steady_tokens_per_s=s["T"] / steady,
-                steady_tflop_per_s=statistics.mean(flops) / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
+                steady_tflop_per_s=step_flop / steady / 1e12, mfu=tflops * 1e12 / H200_BF16_PEAK,
                 peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                steps=args.steps, flex_options=model.flex_kernel_options, flex_tile=model.flex_tile,
-                adamw=type(opt).__name__, cuda_graph=graphed)
+                breakdown_ms=phases, lm_head_tflop=lm_head_flop / 1e12,
+                lm_head_tflop_per_s=lm_head_flop / phases[LOSS] / 1e9 if phases and phases.get(LOSS) else None)
+
+
+def describe_shape(cfg: DrafterConfig) -> str:
+    """The dimensions that set the step's FLOPs, for the log."""
+    from dflash_stages.drafter_init import describe as describe_layers
+
+    return (f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, target "
+            f"layers {cfg.target_layer_ids} of {cfg.num_target_layers}; {describe_layers(cfg)}")
 
 
 def compile_by_graph() -> str:
@@ -245,7 +306,7 @@ def compile_by_graph() -> str:
 
 
 def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.optim.Optimizer,
-                       compiled: bool, eager_steady: float) -> dict[str, Any]:
+                       compiled: bool, eager_steady: float, chunk_rows: int) -> dict[str, Any]:
     """The whole step (forward, backward, clip, AdamW) captured once as a CUDA graph and replayed
     with fresh anchors copied into its input buffer: time against the eager step, and the losses
     and weights of K steps from the same state, eager vs replayed (prototype)."""
@@ -257,7 +318,7 @@ def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.o
     def body() -> torch.Tensor:
         out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], None,
                            anchors_in, s["embed"], s["lm_head"], doc_ids=docs, pad_anchors_to=N,
-                           compile_loss=compiled, chunk_rows=args.chunk_rows)
+                           compile_loss=compiled, chunk_rows=chunk_rows)
         out.loss.backward()
         clipped_step(opt, 1.0)
         return out.loss.detach()
@@ -501,13 +562,29 @@ def inductor_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def int_list(text: str) -> list[int]:
+    """'4096' or '3840,7680' -> [4096] or [3840, 7680]."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,..., got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "flex", "sdpa", "both"])
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the draft layers and the loss chunks (auto: on CUDA)")
-    p.add_argument("--chunk-rows", type=int, default=4096, help="LM-head rows per loss chunk (the trainer's default)")
+    p.add_argument("--chunk-rows", type=int_list, default=[4096], metavar="N[,N...]",
+                   help="LM-head rows per loss chunk (default: the trainer's 4096); a list times each, one "
+                        "table row each, in one process (the draft layers compile once)")
+    p.add_argument("--breakdown", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                   help="also time the step phase by phase (median of STEPS steps, default 5): fc, "
+                        "attention and MLP halves, LM head + loss, backward, optimizer")
     p.add_argument("--inductor", type=inductor_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor config option for the draft-layer compile (repeatable), e.g. "
                         "prologue_fusion=false")
@@ -530,36 +607,46 @@ def main() -> int:
                    help="portable compile cache directory: loaded before the first step, saved after it")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
-    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 30)
+    tiny = args.shape == "tiny"
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 5)
+    args.steps = args.steps if args.steps is not None else (3 if tiny else 30)
     backends = ["flex", "sdpa"] if args.backend == "both" else [args.backend]
     if args.device == "cpu" and args.backend in ("auto", "both"):
         backends = ["sdpa"]  # flex_attention has no backward on CPU
     results, failures = [], {}
     for b in backends:
         try:
-            results.append(run(args, b))
+            results += run(args, b)
         except Exception as e:  # report and keep going: one backend failing must not hide the other
             traceback.print_exc()
             failures[b] = f"{type(e).__name__}: {e}"
             if b == "auto" and args.device != "cpu":
                 print("auto backend failed; retrying with sdpa", file=sys.stderr)
-                results.append(run(args, "sdpa"))
+                results += run(args, "sdpa")
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
-    print("\nstep ms: median of steps timed alone (synced each); steady: steps back to back, as the trainer runs")
-    print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'step ms':>9} {'steady ms':>9} {'tokens/s':>10} "
-          f"{'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'SM MHz':>7}")
+    print(f"\n--shape {args.shape}; step ms: median of steps timed alone (synced each); steady: steps back to "
+          "back, as the trainer runs (tokens/s, TFLOP/s and MFU of those); loss chunks: LM-head chunks x rows")
+    print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'loss chunks':>11} {'step ms':>9} {'steady ms':>9} "
+          f"{'tokens/s':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'SM MHz':>7}")
     for r in results:
         mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
         clock = r["steady_gpu_clock"]
         mhz = f"{clock['sm_mhz_median']:7.0f}" if clock else f"{'-':>7}"
-        print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['step_ms_median']:9.1f} "
-              f"{r['steady_ms']:9.1f} {r['steady_tokens_per_s']:10.0f} {r['tflop_per_step']:10.2f} "
-              f"{r['steady_tflop_per_s']:8.1f} {r['steady_tflop_per_s'] * 1e12 / H200_BF16_PEAK:6.1%} {mem} {mhz}")
+        print(f"{r['backend']:8} {str(r['compiled']):>8} {r['first_step_s']:12.1f} {r['loss_chunks']:>11} "
+              f"{r['step_ms_median']:9.1f} {r['steady_ms']:9.1f} {r['steady_tokens_per_s']:10.0f} "
+              f"{r['tflop_per_step']:10.2f} {r['steady_tflop_per_s']:8.1f} "
+              f"{r['steady_tflop_per_s'] * 1e12 / H200_BF16_PEAK:6.1%} {mem} {mhz}")
+    timed = [r for r in results if r["breakdown_ms"]]
+    if timed:
+        print(f"\nwhere the step's time goes (median of {args.breakdown} steps, each synced; backend, loss chunks):")
+        print("\n".join(breakdown_table({f"{r['backend']} {r['loss_chunks']}": r["breakdown_ms"] for r in timed})))
+        for r in timed:
+            print(f"LM head ({r['backend']} {r['loss_chunks']}): {r['lm_head_tflop']:.2f} TFLOP in its two products, "
+                  f"{r['lm_head_tflop_per_s']:.0f} TFLOP/s over the LM head + loss phase")
     for b, msg in failures.items():
         print(f"{b:8} FAILED: {msg}")
     return 1 if failures and not results else 0

@@ -73,22 +73,29 @@ def text_config(config: Any) -> Any:
     return getter() if callable(getter) else config
 
 
-def random_target(spec: str, device: str, torch_dtype: torch.dtype,
-                  attn_implementation: str) -> tuple[nn.Module, Any]:
-    """``random:qwen3-8b`` (a preset) or ``random:/path/config.json``: real shapes, random weights,
-    built directly on the device — for benchmarks at production dimensions. Only the language
-    model is built: a composite checkpoint's config.json (Qwen3.5/3.6) gives its text model."""
+def random_config(name: str) -> Any:
+    """The HF config ``random:NAME`` builds (a preset or a config.json path): its text model's,
+    so that benchmarks size the drafter from the very config the trainer would see."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    name = spec[len(RANDOM_PREFIX):]
     if name in PRESETS:
         raw = dict(PRESETS[name]) if "model_type" in PRESETS[name] else {**QWEN3_PRESET, **PRESETS[name]}
     else:
         with open(name) as f:
             raw = json.load(f)
-    cfg = text_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    return text_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+
+
+def random_target(spec: str, device: str, torch_dtype: torch.dtype,
+                  attn_implementation: str) -> tuple[nn.Module, Any]:
+    """``random:qwen3-8b`` (a preset) or ``random:/path/config.json``: real shapes, random weights,
+    built directly on the device — for benchmarks at production dimensions. Only the language
+    model is built: a composite checkpoint's config.json (Qwen3.5/3.6) gives its text model."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = random_config(spec[len(RANDOM_PREFIX):])
     dev = torch.device(device)
     # the weights are a function of the spec alone: every run, every torchrun rank and a later
     # `evaluate` rebuild the same target, and the caller's RNG streams are left untouched

@@ -85,8 +85,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 labels: torch.Tensor | None, soft_h: torch.Tensor | None, chunk_rows: int,
                 compile: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         R = h.shape[0]
-        n = max(1, math.ceil(R / chunk_rows))
-        size = max(1, math.ceil(R / n))
+        n, size = loss_chunks(R, chunk_rows)
         pad = n * size - R
         h_p, coef_p = _pad_rows(h, pad), _pad_rows(coef, pad)
         other = _pad_rows(labels if soft_h is None else soft_h, pad)
@@ -116,6 +115,13 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+
+
+def loss_chunks(rows: int, chunk_rows: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) of ``ChunkedLMHeadLoss``: the fewest chunks of at most
+    ``chunk_rows`` rows, all of one size (a compiled chunk function sees one shape)."""
+    n = max(1, math.ceil(rows / chunk_rows))
+    return n, max(1, math.ceil(rows / n))
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
