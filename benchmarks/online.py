@@ -232,7 +232,7 @@ stages:
   pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
   extract: {{uses: hf_hooks, after: pack, device: {args.device},
             params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn},
-                      compile: {args.compile_target}}}}}
+                      compile: "{args.compile_target}"}}}}
   train: {{uses: dflash, after: extract, device: {args.train_device or args.device},
           params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
 """
