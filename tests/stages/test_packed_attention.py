@@ -198,10 +198,10 @@ def test_sliding_layers_get_their_own_mask() -> None:
 
     register()
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+                                   num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2,
                                    head_dim=8, use_sliding_window=True, sliding_window=6,
                                    max_window_layers=2, initializer_range=0.1)
-    assert cfg.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    assert cfg.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 3  # the last is not read
     torch.manual_seed(0)
     sdpa, flex = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),  # own configs
                                                                 attn_implementation=attn).eval()
