@@ -45,6 +45,27 @@ def _qwen3(rope: dict, **kw):
     return qwen3_config(rope_parameters=rope, **kw)
 
 
+def _qwen3_5_published():
+    """The drafter a run builds for a (tiny) Qwen3.5/3.6 hybrid target by default: the published
+    family shape (32 q / 8 kv heads of 128, full rotary, rope_theta 1e7), not the target's gated,
+    partially rotated mRoPE attention, which a served Qwen3 layer could not reproduce."""
+    import transformers
+
+    from dflash_stages.drafter_init import drafter_config
+    from dflash_stages.train import TrainConfig
+
+    target = transformers.AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=False)
+    header = {"config": target.to_dict(), "embed_weight": torch.empty(VOCAB, 0), "tokenizer_len": VOCAB,
+              "target_layer_ids": [1, 5]}
+    cfg, source = drafter_config(header, TrainConfig(num_layers=2, block_size=B, mask_token_id=MASK_ID))
+    assert source.startswith("published") and cfg.rope_parameters(FULL)["rope_theta"] == 1e7
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    return cfg
+
+
 QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1e6}
 # name: (target config, draft layer types, loaders)
 CASES = {
@@ -58,6 +79,7 @@ CASES = {
     "sliding": (lambda: _qwen3(QWEN3_ROPE, use_sliding_window=True, sliding_window=WINDOW), [SLIDING] * 2,
                 ("zlab", "auto")),
     "mixed": (lambda: _qwen3(QWEN3_ROPE, use_sliding_window=True, sliding_window=WINDOW), [FULL, SLIDING], ("auto",)),
+    "qwen3_5_published": (_qwen3_5_published, None, ("zlab", "auto")),
 }
 ENVS = ("installed", "4.57")
 
