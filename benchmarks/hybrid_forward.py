@@ -45,6 +45,7 @@ from dflash_core.drafter import default_target_layer_ids
 from dflash_stages.linear_attention import fla_kernels
 from dflash_stages.packed_attention import row_attention_mask
 from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, decoder_layers, load_target
+from online import timed  # noqa: E402  (benchmarks/ is the script's directory)
 
 QWEN36_27B = PRESETS["qwen3.6-27b"]
 """The text model of Qwen3.6-27B (the ``random:qwen3.6-27b`` preset; its layer types come from
@@ -83,23 +84,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def median_ms(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() after ``warmup`` calls: CUDA events on a GPU, the clock elsewhere."""
-    times = []
-    for i in range(warmup + reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
+    """Median milliseconds of fn() after ``warmup`` calls (online.py's timing: CUDA events on a GPU)."""
+    times = [timed(fn, dev) * 1e3 for _ in range(warmup + reps)]
+    return statistics.median(times[warmup:])
 
 
 def isolation(capture: FeatureCapture, columns: dict[str, list[int]], ids: np.ndarray, total: int
