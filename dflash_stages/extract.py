@@ -40,11 +40,11 @@ class ExtractConfig:
 
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
-        from dflash_core.drafter.layers import default_target_layer_ids, validate_target_layer_ids
+        from dflash_core.drafter import default_target_layer_ids
 
         if self.layers == "auto":
             return default_target_layer_ids(n_layers, self.num_features)
-        return validate_target_layer_ids(self.layers, n_layers)  # type: ignore[arg-type]
+        return [int(t) for t in self.layers]  # type: ignore[union-attr]  (FeatureCapture checks them)
 
     def __post_init__(self) -> None:
         from dflash_stages.packed_attention import IMPLEMENTATIONS

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from dflash_core.drafter.layers import validate_target_layer_ids
+
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """``auto`` = bf16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
@@ -224,8 +226,6 @@ class FeatureCapture:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], last_hidden: bool = False) -> None:
         self.model = model
-        from dflash_core.drafter.layers import validate_target_layer_ids
-
         self.layers = decoder_layers(model)
         self.layer_ids = validate_target_layer_ids(layer_ids, len(self.layers))
         self.last_hidden = last_hidden
