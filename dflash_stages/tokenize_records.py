@@ -6,6 +6,7 @@ Accepted records (DESIGN §6)::
                    "reasoning_content"?: str, "tool_calls"?: [...], ...}, ...], "tools"?: [...]}
     {"prompt": str | messages, "completion" | "response": str | messages, "reasoning"?: str,
      "system"?: str, "tools"?: [...]}
+    {"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}   (ShareGPT)
 
 Normalization (the same for every template):
 
@@ -32,7 +33,7 @@ QUARANTINE_REASONS: dict[str, str] = {
     "invalid_json": "the line is not valid JSON",
     "record_too_large": "the line is longer than max_record_bytes (not parsed)",
     "not_an_object": "the JSON value is not an object",
-    "unknown_format": "neither 'messages' nor 'prompt' + 'completion'/'response'",
+    "unknown_format": "neither 'messages', 'conversations' (ShareGPT) nor 'prompt' + 'completion'/'response'",
     "missing_completion": "'prompt' without a 'completion' or 'response'",
     "bad_messages": "'messages' (or a messages-valued prompt/completion) is not a non-empty list",
     "bad_message": "a message is not an object with a string 'role'",
@@ -54,6 +55,11 @@ FILTER_REASONS: dict[str, str] = {
 }
 
 _PASS_KEYS = ("name", "tool_call_id", "tool_calls", "id")
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "tool": "tool"}
+"""ShareGPT ``from`` values and the chat roles they stand for (SpecForge and most public drafter
+datasets store conversations this way)."""
 
 
 class RecordError(Exception):
@@ -109,6 +115,8 @@ def to_messages(record: dict) -> tuple[list, Any]:
         raise RecordError("bad_tool_calls", "'tools' must be a list")
     if "messages" in record:
         return list(_as_messages(record["messages"], "messages")), tools
+    if "conversations" in record:
+        return sharegpt_messages(record["conversations"]), tools
     if "prompt" not in record:
         keys = ", ".join(sorted(map(str, record))[:8])
         raise RecordError("unknown_format", f"keys: {keys}" if keys else "empty object")
@@ -134,6 +142,19 @@ def to_messages(record: dict) -> tuple[list, Any]:
             turn["reasoning_content"] = _text(record["reasoning"], "reasoning")
         messages.append(turn)
     return messages, tools
+
+
+def sharegpt_messages(turns: Any) -> list[dict]:
+    """ShareGPT turns ``{"from", "value"}`` as chat messages ``{"role", "content"}``."""
+    out = []
+    for n, turn in enumerate(_as_messages(turns, "conversations")):
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str):
+            raise RecordError("bad_message", f"turn {n} is not an object with a string 'from'")
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise RecordError("unknown_role", f"turn {n}: from {turn['from'][:40]!r}")
+        out.append({"role": role, "content": turn.get("value")})
+    return out
 
 
 def split_reasoning(content: str, reasoning: str | None) -> tuple[str, str]:

@@ -92,3 +92,20 @@ def test_invariant_violation_raises() -> None:
     with pytest.raises(RuntimeError, match="records in"):
         check_invariant(stats)
     check_invariant({**stats, "quarantined_total": 1})
+
+
+def test_sharegpt_conversations_are_the_same_sample_as_messages(tmp_path: Path, qwen3_dir: str) -> None:
+    """ShareGPT records (``conversations`` of ``{from, value}``, human/gpt/system) tokenize to exactly
+    the sample of the equivalent ``messages`` record; an unknown ``from`` is quarantined."""
+    turns = [("system", "Be brief."), ("human", "Hi?"), ("gpt", "Hello."), ("human", "2+2?"), ("gpt", "4.")]
+    role = {"system": "system", "human": "user", "gpt": "assistant"}
+    sharegpt = {"id": "x_0", "conversations": [{"from": f, "value": v} for f, v in turns]}
+    messages = {"messages": [{"role": role[f], "content": v} for f, v in turns]}
+    bad = {"conversations": [{"from": "bard", "value": "?"}, {"from": "gpt", "value": "!"}]}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (sharegpt, messages, bad)))
+    _, ctx, rows = run_stage(tmp_path, [_item(path)], tokenizer=qwen3_dir)
+    assert len(rows) == 2
+    assert rows[0]["input_ids"] == rows[1]["input_ids"] and rows[0]["loss_mask"] == rows[1]["loss_mask"]
+    assert sum(rows[0]["loss_mask"]) > 0
+    assert ctx.summary["quarantined"] == {"unknown_role": 1}
