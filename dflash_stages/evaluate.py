@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from dflash_core.stage import Stage, StageContext
+from dflash_stages.prompts import PromptError, build_prompts, eos_ids, read_records
 
 GAP_THRESHOLD = 0.10
 
@@ -34,67 +35,6 @@ class EvaluationError(RuntimeError):
 
 class LosslessError(RuntimeError):
     """Speculative decoding produced something other than the target's greedy decode."""
-
-
-# --------------------------------------------------------------------------- prompts
-
-def record_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The conversation a server would be handed for a DESIGN §6 record: ``messages`` up to (not
-    including) the last assistant message, or the ``prompt`` (a string = one user message)."""
-    if "messages" in record:
-        msgs = list(record["messages"])
-        last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
-        msgs = msgs[:last] if last is not None else msgs
-    elif "prompt" in record:
-        p = record["prompt"]
-        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-        if isinstance(p, str) and record.get("system") is not None:
-            msgs.insert(0, {"role": "system", "content": record["system"]})
-    else:
-        raise EvaluationError(f"record has neither 'messages' nor 'prompt': keys {sorted(record)[:8]}")
-    if not msgs:
-        raise EvaluationError("record has no prompt messages")
-    return [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "name")} for m in msgs]
-
-
-def read_records(path: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """JSONL records (blank lines skipped), at most ``limit``."""
-    import fsspec
-
-    out: list[dict[str, Any]] = []
-    with fsspec.open(path, "r", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line))
-                if limit is not None and len(out) >= limit:
-                    break
-    return out
-
-
-def build_prompts(tokenizer: Any, records: Iterable[Mapping[str, Any]], thinking: bool | None = None,
-                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[list[int]]:
-    """Token ids of each record's prompt via the tokenizer's chat template (generation prompt on,
-    ``enable_thinking`` as recorded), tokenized without extra special tokens like the tokenize stage."""
-    kw = dict(chat_template_kwargs or {})
-    if thinking is not None:
-        kw.setdefault("enable_thinking", bool(thinking))
-    prompts = []
-    for rec in records:
-        text = tokenizer.apply_chat_template(record_messages(rec), tokenize=False,
-                                             add_generation_prompt=True, **kw)
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return prompts
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """End-of-generation ids: the tokenizer's eos plus the model's generation config eos."""
-    ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None),
-                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if src is None:
-            continue
-        ids.update([int(src)] if isinstance(src, int) else [int(x) for x in src])
-    return ids
 
 
 # --------------------------------------------------------------------------- metrics log
@@ -349,7 +289,10 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     if isinstance(prompt_src, str):
         records = read_records(prompt_src, num_prompts)
         tokenizer = _tokenizer(meta, target_ref, tok)
-        prompt_ids = build_prompts(tokenizer, records, meta.get("thinking"), meta.get("chat_template_kwargs"))
+        try:
+            prompt_ids = build_prompts(tokenizer, records, meta.get("thinking"), meta.get("chat_template_kwargs"))
+        except PromptError as exc:
+            raise EvaluationError(f"{prompt_src}: {exc}") from None
         prompt_desc = prompt_src
     else:
         prompt_ids = [list(p) for p in prompt_src][:num_prompts]

@@ -17,11 +17,12 @@ def dflash_pipe_register_stages(registry: Any) -> None:
     from dflash_stages.download import FsspecDownload
     from dflash_stages.evaluate import SpecDecodeEvaluate
     from dflash_stages.extract import HFHooksExtract
+    from dflash_stages.generate import HFGenerate
     from dflash_stages.pack import BestFitPack
     from dflash_stages.random_rows import RandomRows
     from dflash_stages.tokenize import ChatTemplateTokenize
     from dflash_stages.train import DFlashTrain
 
-    for cls in (FsspecDownload, ChatTemplateTokenize, BestFitPack, HFHooksExtract, DFlashTrain,
+    for cls in (FsspecDownload, HFGenerate, ChatTemplateTokenize, BestFitPack, HFHooksExtract, DFlashTrain,
                 FsspecCheckpoint, SpecDecodeEvaluate, RandomRows):
         registry.add(cls)

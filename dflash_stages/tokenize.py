@@ -67,13 +67,14 @@ class TokenizeConfig:
             raise ValueError("set thinking: instead of chat_template_kwargs.enable_thinking")
 
 
-def _items_sorted(items: Any) -> list[dict]:
+def file_items(items: Any) -> list[dict]:
+    """Upstream file items (download's, generate's) with a 'path', in a stable order: by source."""
     out = []
     for item in items:
         if isinstance(item, str):
             item = {"path": item}
         if not isinstance(item, Mapping) or not isinstance(item.get("path"), str):
-            raise ValueError(f"tokenize: expected items with a 'path', got {item!r:.200}")
+            raise ValueError(f"expected file items with a 'path', got {item!r:.200}")
         out.append(dict(item))
     return sorted(out, key=lambda it: (str(it.get("source") or it["path"]), it["path"]))
 
@@ -102,7 +103,7 @@ class ChatTemplateTokenize(Stage):
         wcfg = dataclasses.asdict(cfg)
         for key in ("workers", "batch_size", "shard_samples"):
             wcfg.pop(key)
-        items = _items_sorted(inputs["files"])
+        items = file_items(inputs["files"])
         fs, root = fsspec.core.url_to_fs(ctx.work_dir)
         fs.makedirs(root, exist_ok=True)
         stats = new_stats(cfg)

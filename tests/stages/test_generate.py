@@ -1,0 +1,135 @@
+"""generate:hf — prompts in, the target's own completions out, in records tokenize reads back.
+
+SmolLM2-135M-Instruct (the real GGUF target) shows the completions are the target's greedy decode
+and that tokenize turns them into exactly those supervised tokens; a tiny random Qwen3 with the real
+Qwen3 tokenizer shows skipping, sharding and resume after a crash (sampled, so seeding matters).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_core.stage import StageContext
+from dflash_stages import generate_batch
+from dflash_stages.generate import GenerateConfig, HFGenerate
+from tests.stages.online_fixtures import tiny_target
+
+
+def run_generate(tmp_path: Path, files: list[Path], name: str = "gen", **params: Any
+                 ) -> tuple[list[dict], StageContext, list[dict]]:
+    """Run the stage; returns (items, ctx, records of all shards in order)."""
+    cfg = GenerateConfig(**params)
+    ctx = StageContext(stage="generate", config=cfg, work_dir=str(tmp_path / name / "work"),
+                       cache_dir=str(tmp_path / name / "cache"))
+    Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
+    items = list(HFGenerate(cfg).run({"files": iter({"path": str(f), "source": f.name} for f in files)}, ctx))
+    records = [json.loads(x) for it in items for x in Path(it["path"]).read_text().splitlines()]
+    return items, ctx, records
+
+
+def write_lines(path: Path, lines: list[Any]) -> Path:
+    with open(path, "wb") as f:
+        for x in lines:
+            f.write(x if isinstance(x, bytes) else json.dumps(x).encode())
+            f.write(b"\n")
+    return path
+
+
+def test_completions_are_greedy_decodes_and_tokenize_reads_them_back(tmp_path: Path) -> None:
+    """Batched, left-padded generation = the target's one-prompt greedy decode; tokenize's supervised
+    tokens of each record are exactly those generated ids (+ the end-of-turn token the template adds
+    when the completion was cut); bad prompts are skipped with their reasons, never fatal."""
+    from dflash_stages.prompts import eos_ids, record_messages, render_prompt
+    from dflash_stages.smollm2 import load_smollm2
+    from dflash_stages.spec_decode import greedy_decode
+    from tests.stages.test_tokenize import run_stage
+
+    good = [{"prompt": "Name a colour."}, {"messages": [{"role": "user", "content": "What is 2+2?"}]},
+            {"id": "sg_0", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "x"}]}]
+    bad = [b"\xff\xfe not utf-8", b"{not json", {"prompt": "   "}, {"text": "no prompt field"},
+           {"prompt": "word " * 200}]
+    src = write_lines(tmp_path / "prompts.jsonl", [good[0], bad[0], good[1], bad[1], bad[2], bad[3], bad[4], good[2]])
+    items, ctx, records = run_generate(tmp_path, [src], model="smollm2", max_new_tokens=10, max_prompt_tokens=100,
+                                       batch_size=3, shard_records=2)
+    s = ctx.summary
+    assert s["skipped"] == {"invalid_utf8": 1, "invalid_json": 1, "empty": 1, "unknown_format": 1, "over_length": 1}
+    skipped = [json.loads(x) for x in (Path(ctx.work_dir) / "skipped.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["reason"]) for e in skipped] == [(2, "invalid_utf8"), (4, "invalid_json"), (5, "empty"),
+                                                         (6, "unknown_format"), (7, "over_length")]
+    assert (s["prompts"], s["records_out"], s["shards"], len(items)) == (3, 3, 2, 2)
+    assert [r["line"] for r in records] == [1, 3, 8] and records[2]["id"] == "sg_0"
+
+    model, tok = load_smollm2()
+    eos = eos_ids(model, tok)
+    prompts = [render_prompt(tok, record_messages(raw)) for raw in good]
+    refs = [greedy_decode(model, prompt, 10, eos) for prompt in prompts]
+    for rec, raw, ref in zip(records, good, refs):
+        assert rec["tokens"] == len(ref) and rec["finish"] == ("stop" if ref[-1] in eos else "length")
+        assert rec["messages"][:-1] == record_messages(raw)
+        assert tok.decode(ref[:-1] if rec["finish"] == "stop" else ref) == rec["messages"][-1]["content"]
+    assert s["generated_tokens"] == sum(r["tokens"] for r in records)
+
+    _, tctx, rows = run_stage(tmp_path, items, tokenizer="smollm2", min_loss_tokens=1)
+    assert tctx.summary["samples_out"] == 3 and tctx.summary["quarantined_total"] == 0
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for rec, prompt, ref, row in zip(records, prompts, refs, rows):
+        supervised = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert row["input_ids"][:len(prompt)] == prompt
+        assert supervised == (ref if rec["finish"] == "stop" else ref + [im_end])
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_target(tmp_path_factory.getbasetemp(), layers=2, hidden=32, vocab=151936)
+
+
+def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Path, qwen_tiny: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [{"prompt": f"Question number {i}: what is {i} squared?" + " Explain." * (i % 3)} for i in range(5)]
+    src = write_lines(tmp_path / "p.jsonl", prompts)
+    params = dict(model=str(qwen_tiny), max_new_tokens=8, batch_size=1, shard_records=2, temperature=0.9, seed=7)
+    _, _, whole = run_generate(tmp_path, [src], "whole", **params)
+    assert len(whole) == 5
+
+    real = generate_batch.complete
+    calls: list[int] = []
+
+    def crash_in_second_shard(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 4:  # shard 0 = calls 1-2, shard 1 = calls 3-4
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(generate_batch, "complete", crash_in_second_shard)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_generate(tmp_path, [src], "resumed", **params)
+    shard_dir = next((tmp_path / "resumed" / "cache").iterdir())
+    assert sorted(p.name for p in shard_dir.iterdir()) == ["shard-00000.jsonl"]
+
+    calls.clear()
+    monkeypatch.setattr(generate_batch, "complete", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    _, ctx, resumed = run_generate(tmp_path, [src], "resumed", **params)
+    assert len(calls) == 3  # shards 1 and 2 only
+    assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3
+    assert resumed == whole
+
+    # another seed samples other completions (the seed is used), the same seed the same ones
+    _, _, other = run_generate(tmp_path, [src], "other", **{**params, "seed": 8})
+    assert [r["messages"][-1] for r in other] != [r["messages"][-1] for r in whole]
+
+
+def test_no_usable_prompt_fails_with_the_reasons(tmp_path: Path, qwen_tiny: Path) -> None:
+    src = write_lines(tmp_path / "p.jsonl", [{"prompt": ""}, b"[1, 2]"])
+    with pytest.raises(ValueError, match=r"no usable prompt.*'empty': 1.*skipped.jsonl"):
+        run_generate(tmp_path, [src], model=str(qwen_tiny))
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateConfig(top_p=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        GenerateConfig(batch_size=0)
