@@ -118,10 +118,15 @@ def render_table(report: Mapping[str, Any]) -> Any:
     head.add_row("drafted / accepted tokens", f"{report.get('drafted')} / {report.get('accepted')}",
                  f"{ng.get('drafted', '-')} / {ng.get('accepted', '-')}")
     head.add_row("cycles", str(report.get("cycles")), str(ng.get("cycles", "-")))
+    ties = len(report.get("near_ties") or [])
     head.add_row("lossless (= target greedy)",
-                 Text("yes" if report.get("lossless") else "NO",
+                 Text(("yes" if report.get("lossless") else "NO") + (f", {ties} near ties" if ties else ""),
                       style="green" if report.get("lossless") else "bold red"),
                  "")
+    tp = report.get("throughput") or {}
+    if tp:
+        head.add_row(f"tokens/s (batch {tp.get('batch_size')}; HF greedy {_num(tp.get('greedy_tokens_per_s'), '{:.0f}')})",
+                     _num(tp.get("spec_tokens_per_s"), "{:.0f}"), _num(ng.get("tokens_per_s"), "{:.0f}"))
     hist = report.get("tau_histogram") or []
     head.add_row("τ histogram 1..B", " ".join(str(h) for h in hist[1:]),
                  " ".join(str(h) for h in ng.get("tau_histogram", [])[1:]))

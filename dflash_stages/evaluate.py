@@ -74,10 +74,6 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
 
 # --------------------------------------------------------------------------- evaluation
 
-def _mean_tau(accepted: int, cycles: int) -> float:
-    return (accepted + cycles) / cycles if cycles else float("nan")
-
-
 def _finite(x: float | None) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x))
 
@@ -92,123 +88,106 @@ def compute_gap(tau: float, tau_sim: float | None, threshold: float = GAP_THRESH
 
 def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
-                     with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD,
-                     progress: Any = None) -> dict[str, Any]:
+                     with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
+                     tie_tolerance: float | None = None, pad_id: int = 0, progress: Any = None) -> dict[str, Any]:
     """The report of one drafter module on token-id prompts (no files, no tokenizer).
 
-    ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export).
+    ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
+    ``tie_tolerance``: relative logit gap of a tolerated near tie (default by dtype, ``TIE_TOLERANCE``);
+    ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes.
     """
-    from dflash_stages.spec_decode import (dflash_drafter, first_mismatch, greedy_decode, ngram_drafter,
-                                           speculative_decode, tau_histogram, teacher_forced_tau)
+    from dflash_stages.eval_runs import TIE_TOLERANCE, check_outputs, decode_all, reference_decode
+    from dflash_stages.spec_batch import dflash_batch_drafter
+    from dflash_stages.spec_decode import _eos_set, dflash_drafter, ngram_drafter
     from dflash_stages.target import embeddings_and_head
 
     B = drafter.block_size
     layer_ids = list(drafter.config.target_layer_ids)
     embed, head = embeddings_and_head(target)
     _check_shapes(target, drafter, embed)
-    draft_fn = dflash_drafter(drafter, embed, head)
-    per_prompt, mismatches = [], []
-    tot = {"full_accepted": 0, "full_cycles": 0, "ng_full_accepted": 0, "ng_full_cycles": 0, "drafted": 0,
-           "accepted": 0, "cycles": 0, "generated": 0, "ng_drafted": 0, "ng_accepted": 0, "ng_cycles": 0,
-           "sim_blocks": 0, "sim_tau_sum": 0.0, "all_blocks": 0, "all_tau_sum": 0.0, "sim_loss_sum": 0.0,
-           "sim_acc_sum": 0.0}
-    hist = [0] * (B + 1)
-    hist_ng = [0] * (B + 1)
-    timing = {"greedy_s": 0.0, "spec_s": 0.0, "ngram_s": 0.0, "tau_sim_s": 0.0}
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        ref = greedy_decode(target, prompt, max_new_tokens, eos_token_id)
-        t1 = time.perf_counter()
-        res = speculative_decode(target, prompt, draft_fn, B, max_new_tokens, layer_ids, eos_token_id)
-        t2 = time.perf_counter()
-        timing["greedy_s"] += t1 - t0
-        timing["spec_s"] += t2 - t1
-        fa = [a for a, f in zip(res.accepted, res.full) if f]
-        row: dict[str, Any] = {"index": i, "prompt_tokens": len(prompt), "generated": len(ref),
-                               "tau": _mean_tau(sum(fa), len(fa)) if fa else res.mean_tau, "cycles": res.cycles,
-                               "drafted": sum(res.drafted), "accepted": sum(res.accepted),
-                               "tau_histogram": tau_histogram(res.accepted, B)}
-        bad = first_mismatch(ref, res.tokens)
-        row["lossless"] = bad is None
-        if bad is not None:
-            mismatches.append(_mismatch(i, "dflash", bad, ref, res.tokens))
-        for k, v in zip(range(B + 1), row["tau_histogram"]):
-            hist[k] += v
-        tot["full_accepted"] += sum(fa)
-        tot["full_cycles"] += len(fa)
-        tot["drafted"] += row["drafted"]
-        tot["accepted"] += row["accepted"]
-        tot["cycles"] += res.cycles
-        tot["generated"] += len(res.tokens)
-        if baseline:
-            t3 = time.perf_counter()
-            ng = speculative_decode(target, prompt, ngram_drafter(), B, max_new_tokens, None, eos_token_id)
-            timing["ngram_s"] += time.perf_counter() - t3
-            nfa = [a for a, f in zip(ng.accepted, ng.full) if f]
-            row["tau_ngram"] = _mean_tau(sum(nfa), len(nfa)) if nfa else ng.mean_tau
-            tot["ng_full_accepted"] += sum(nfa)
-            tot["ng_full_cycles"] += len(nfa)
-            bad = first_mismatch(ref, ng.tokens)
-            if bad is not None:
-                row["lossless"] = False
-                mismatches.append(_mismatch(i, "ngram", bad, ref, ng.tokens))
-            for k, v in enumerate(tau_histogram(ng.accepted, B)):
-                hist_ng[k] += v
-            tot["ng_drafted"] += sum(ng.drafted)
-            tot["ng_accepted"] += sum(ng.accepted)
-            tot["ng_cycles"] += ng.cycles
-        if with_tau_sim:
-            t4 = time.perf_counter()
-            full_anchors = [a for a, f in zip(res.anchors, res.full) if f]
-            sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, anchors=full_anchors)
-            sim_all = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids)
-            timing["tau_sim_s"] += time.perf_counter() - t4
-            row["tau_sim"] = sim["tau_sim"]
-            row["tau_sim_all"] = sim_all["tau_sim"]
-            row["sim_loss"] = sim_all["loss"]
-            if sim["n_blocks"]:
-                n = sim["n_blocks"]
-                tot["sim_blocks"] += n
-                tot["sim_tau_sum"] += sim["tau_sim"] * n
-            if sim_all["n_blocks"]:
-                n = sim_all["n_blocks"]
-                tot["all_blocks"] += n
-                tot["all_tau_sum"] += sim_all["tau_sim"] * n
-                tot["sim_loss_sum"] += sim_all["loss"] * n
-                tot["sim_acc_sum"] += sim_all["acc"] * n
-        per_prompt.append(row)
+    eos = _eos_set(eos_token_id)
+    tol = tie_tolerance if tie_tolerance is not None else TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4)
+    refs, ref_s = reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
+    done: list[int] = []
+
+    def advance(n: int) -> None:
+        done.append(n)
         if progress is not None:
-            progress(row)
-    # τ over cycles with a whole block of draft budget (the last cycles before max_new_tokens are
-    # cut short and would bias short generations down); tau_all counts every cycle
-    tau = (_mean_tau(tot["full_accepted"], tot["full_cycles"]) if tot["full_cycles"]
-           else _mean_tau(tot["accepted"], tot["cycles"]))
-    tau_ng = (_mean_tau(tot["ng_full_accepted"], tot["ng_full_cycles"]) if tot["ng_full_cycles"]
-              else _mean_tau(tot["ng_accepted"], tot["ng_cycles"]))
-    tau_sim = tot["sim_tau_sum"] / tot["sim_blocks"] if tot["sim_blocks"] else None
-    gap, flag = compute_gap(tau, tau_sim, gap_threshold)
-    report: dict[str, Any] = {
-        "block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "tau": tau, "tau_ngram": tau_ng if baseline else None,
-        "tau_all": _mean_tau(tot["accepted"], tot["cycles"]), "full_cycles": tot["full_cycles"],
-        "tau_sim": tau_sim,
-        "tau_sim_all": tot["all_tau_sum"] / tot["all_blocks"] if tot["all_blocks"] else None,
-        "sim_loss": tot["sim_loss_sum"] / tot["all_blocks"] if tot["all_blocks"] else None,
-        "sim_acc": tot["sim_acc_sum"] / tot["all_blocks"] if tot["all_blocks"] else None,
-        "gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold,
-        "lossless": not mismatches, "mismatches": mismatches,
-        "tau_histogram": hist, "cycles": tot["cycles"], "drafted": tot["drafted"], "accepted": tot["accepted"],
-        "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
-        "generated_tokens": tot["generated"],
-        "ngram": ({"tau": tau_ng, "tau_all": _mean_tau(tot["ng_accepted"], tot["ng_cycles"]), "tau_histogram": hist_ng,
-                   "cycles": tot["ng_cycles"], "drafted": tot["ng_drafted"], "accepted": tot["ng_accepted"]}
-                  if baseline else None),
-        "per_prompt": per_prompt, "timing": {k: round(v, 3) for k, v in timing.items()},
-        "warnings": [],
-    }
+            progress(sum(done), len(prompts), None)
+
+    run = decode_all(target, prompts, dflash_drafter(drafter, embed, head), B, max_new_tokens, layer_ids, eos,
+                     batch_size, dflash_batch_drafter(drafter, embed, head), advance)
+    mismatches, ties = check_outputs(target, prompts, refs, run.tokens, "dflash", tol)
+    report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
+                              "max_new_tokens": max_new_tokens, **run.summary(B)}
+    report["throughput"] = {"greedy_tokens_per_s": round(sum(map(len, refs)) / ref_s, 1) if ref_s else None,
+                            "spec_tokens_per_s": report.pop("tokens_per_s"), "batch_size": batch_size}
+    timing = {"greedy_s": round(ref_s, 3), "spec_s": report.pop("seconds")}
+    per_prompt = [_prompt_row(i, p, ref, res, B) for i, (p, ref, res) in enumerate(zip(prompts, refs, run.results))]
+    report["ngram"] = None
+    if baseline:
+        ng = decode_all(target, prompts, ngram_drafter(), B, max_new_tokens, None, eos, batch_size)
+        report["ngram"] = ng.summary(B)
+        timing["ngram_s"] = report["ngram"].pop("seconds")
+        m, t = check_outputs(target, prompts, refs, ng.tokens, "ngram", tol)
+        mismatches, ties = mismatches + m, ties + t
+        for row, res in zip(per_prompt, ng.results):
+            row["tau_ngram"] = _row_tau(res)
+    report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
+    t0 = time.perf_counter()
+    report.update(_tau_sim(drafter, target, prompts, refs, run.results, per_prompt, embed, head, layer_ids)
+                  if with_tau_sim else {"tau_sim": None, "tau_sim_all": None, "sim_loss": None, "sim_acc": None})
+    timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
+    bad = {m["prompt"] for m in mismatches}
+    for row in per_prompt:
+        row["lossless"] = row["index"] not in bad
+    gap, flag = compute_gap(report["tau"], report["tau_sim"], gap_threshold)
+    report.update({"gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold, "lossless": not mismatches,
+                   "mismatches": mismatches, "near_ties": ties, "tie_tolerance": tol,
+                   "identical": sum(1 for p in range(len(prompts)) if p not in bad
+                                    and all(t["prompt"] != p for t in ties)),
+                   "per_prompt": per_prompt, "timing": timing, "warnings": []})
     add_warnings(report)
     return report
+
+
+def _row_tau(res: Any) -> float:
+    from dflash_stages.eval_runs import mean_tau
+
+    full = [a for a, f in zip(res.accepted, res.full) if f]
+    return mean_tau(full) if full else res.mean_tau
+
+
+def _prompt_row(i: int, prompt: Sequence[int], ref: Sequence[int], res: Any, B: int) -> dict[str, Any]:
+    from dflash_stages.spec_decode import tau_histogram
+
+    return {"index": i, "prompt_tokens": len(prompt), "generated": len(ref), "tau": _row_tau(res),
+            "cycles": res.cycles, "drafted": sum(res.drafted), "accepted": sum(res.accepted),
+            "tau_histogram": tau_histogram(res.accepted, B)}
+
+
+def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], refs: Sequence[Sequence[int]],
+             results: Sequence[Any], per_prompt: list[dict[str, Any]], embed: Any, head: Any,
+             layer_ids: list[int]) -> dict[str, Any]:
+    """τ_sim teacher-forced on each prompt + greedy completion: at the served full blocks' anchors
+    (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy)."""
+    from dflash_stages.spec_decode import teacher_forced_tau
+
+    at, every = [], []
+    for row, prompt, ref, res in zip(per_prompt, prompts, refs, results):
+        anchors = [a for a, f in zip(res.anchors, res.full) if f]
+        sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, anchors=anchors)
+        sim_all = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids)
+        row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], sim_loss=sim_all["loss"])
+        at.append(sim)
+        every.append(sim_all)
+
+    def weighted(sims: list[dict[str, Any]], key: str) -> float | None:
+        n = sum(s["n_blocks"] for s in sims)
+        return sum(s[key] * s["n_blocks"] for s in sims if s["n_blocks"]) / n if n else None
+
+    return {"tau_sim": weighted(at, "tau_sim"), "tau_sim_all": weighted(every, "tau_sim"),
+            "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc")}
 
 
 def add_warnings(report: dict[str, Any]) -> None:
@@ -228,13 +207,13 @@ def add_warnings(report: dict[str, Any]) -> None:
     if not report.get("lossless", True):
         m = report["mismatches"][0]
         w.append(f"NOT LOSSLESS: {len(report['mismatches'])} output(s) differ from the target's greedy decode "
-                 f"(first: prompt {m['prompt']}, {m['drafter']}, token {m['index']})")
+                 f"(first: prompt {m['prompt']}, {m['drafter']}, token {m['index']}, logit gap "
+                 f"{m.get('logit_gap', '-')} > tolerance {m.get('tolerance', '-')})")
+    if report.get("near_ties"):
+        w.append(f"{len(report['near_ties'])} output(s) left the greedy decode at a near tie (logit gap within "
+                 f"{report['tie_tolerance']:g} relative: {report.get('dtype', 'low precision')} rounding, not "
+                 "a failure); identical outputs are not compared past that token")
     report["warnings"] = w
-
-
-def _mismatch(i: int, who: str, at: int, ref: Sequence[int], got: Sequence[int]) -> dict[str, Any]:
-    return {"prompt": i, "drafter": who, "index": at,
-            "expected": list(ref[at:at + 8]), "got": list(got[at:at + 8])}
 
 
 def _check_shapes(target: Any, drafter: Any, embed: Any) -> None:
@@ -258,7 +237,7 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
                     dtype: str = "auto", out_dir: str | None = None, metrics: str | None = None,
                     loaded_target: tuple[Any, Any] | None = None, baseline: bool = True,
                     gap_threshold: float = GAP_THRESHOLD, plot: bool = True, progress: Any = None,
-                    ) -> dict[str, Any]:
+                    batch_size: int = 16, tie_tolerance: float | None = None) -> dict[str, Any]:
     """Evaluate an export directory as a server would; writes report.json (+ PNG) to ``out_dir``.
 
     Defaults come from the export's ``config.json`` ``dflash_pipe`` metadata (target, tokenizer,
@@ -300,8 +279,10 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     if not prompt_ids:
         raise EvaluationError(f"no prompts in {prompt_desc}")
 
+    pad = getattr(tok, "pad_token_id", None)
     report = evaluate_drafter(lm, drafter, prompt_ids, max_new_tokens, eos_ids(lm, tok), baseline=baseline,
-                              gap_threshold=gap_threshold, progress=progress)
+                              gap_threshold=gap_threshold, batch_size=batch_size, tie_tolerance=tie_tolerance,
+                              pad_id=pad if pad is not None else 0, progress=progress)
     metrics_path = metrics or meta.get("metrics")
     records = read_metrics(metrics_path)
     report.update({"export": str(export), "step": meta.get("step"), "target": target_ref,
@@ -357,10 +338,16 @@ class EvaluateConfig:
     """Also fail the stage when the train/serve gap is flagged (a lossless failure always fails)."""
     baseline: bool = True
     """Also measure the n-gram (prompt lookup) baseline."""
+    batch_size: int = 16
+    """Prompts decoded together (one target forward per cycle for all of them; dense targets)."""
+    tie_tolerance: float | None = None
+    """Relative logit gap of a near tie the lossless check tolerates; default by dtype (fp32 1e-4, bf16 5e-2)."""
 
     def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError("every must be >= 1")
+        if self.every < 1 or self.batch_size < 1:
+            raise ValueError("every and batch_size must be >= 1")
+        if self.tie_tolerance is not None and not 0 <= self.tie_tolerance < 1:
+            raise ValueError("tie_tolerance must be in [0, 1)")
         if self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError("num_prompts and max_new_tokens must be >= 1")
         if not 0 < self.gap_threshold < 1:
@@ -409,7 +396,8 @@ class SpecDecodeEvaluate(Stage):
             report = evaluate_export(export, target=ref, prompts=cfg.prompts, num_prompts=cfg.num_prompts,
                                      max_new_tokens=cfg.max_new_tokens, device=device, dtype=cfg.dtype,
                                      out_dir=out_dir, loaded_target=targets[ref], baseline=cfg.baseline,
-                                     gap_threshold=cfg.gap_threshold)
+                                     gap_threshold=cfg.gap_threshold, batch_size=cfg.batch_size,
+                                     tie_tolerance=cfg.tie_tolerance)
             report["step"] = step if step is not None else report.get("step")
             report["final"] = bool(item.get("final"))
             summary = {k: _round(report.get(k)) for k in ("tau", "tau_ngram", "tau_sim", "gap")}

@@ -145,6 +145,15 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
     return {int(e) for e in eos_token_id}
 
 
+def accepted_prefix(drafts: Sequence[int], target: Sequence[int]) -> int:
+    """How many drafts the target accepts: the longest prefix equal to its own argmax tokens
+    (``target[i]`` = the target's token after block row i)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n
+
+
 @torch.no_grad()
 def greedy_decode(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                   eos_token_id: int | Iterable[int] | None = None) -> list[int]:
@@ -200,9 +209,7 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
         saved = spec_cache.snapshot(linear)
         logits, feats = _forward(model, [last] + drafts, n_ctx, cache, capture)
         target = logits.argmax(-1).tolist()  # target[i] = its token after block row i
-        n = 0
-        while n < len(drafts) and drafts[n] == target[n]:
-            n += 1
+        n = accepted_prefix(drafts, target)
         new = drafts[:n] + [int(target[n])]
         if linear and n < len(drafts):
             # the linear layers have folded the rejected drafts in: rewind to before the block and

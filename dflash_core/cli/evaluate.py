@@ -29,6 +29,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", help="training metrics.jsonl for the plot (default: recorded in the export)")
     p.add_argument("--no-baseline", action="store_true", help="skip the n-gram baseline")
     p.add_argument("--gap-threshold", type=float, default=0.10, help="flag |τ_sim − τ| / τ_sim above this (0.10)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="prompts decoded together, one target forward per cycle for all (default 16)")
+    p.add_argument("--tie-tolerance", type=float, default=None,
+                   help="relative logit gap of a tolerated near tie (default by dtype: fp32 1e-4, bf16 5e-2)")
     p.add_argument("--fail-on-gap", action="store_true", help="exit 1 when the train/serve gap is flagged")
     p.set_defaults(func=run)
 
@@ -42,18 +46,16 @@ def run(args: argparse.Namespace) -> int:
     if "://" in args.export and not args.out:
         out = os.path.join(".", "eval")
 
-    def progress(row: dict[str, Any]) -> None:
+    def progress(done: int, total: int, _tau: float | None) -> None:
         if not getattr(args, "quiet", False):
-            err_console.print(f"prompt {row['index']}: τ {row['tau']:.2f}"
-                              + (f", n-gram {row['tau_ngram']:.2f}" if row.get("tau_ngram") is not None else "")
-                              + (f", τ_sim {row['tau_sim']:.2f}" if row.get("tau_sim") is not None else "")
-                              + ("" if row["lossless"] else "  NOT LOSSLESS"), markup=False)
+            err_console.print(f"speculative decoding: {done}/{total} prompts", markup=False)
 
     try:
         report = evaluate_export(args.export, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
                                  max_new_tokens=args.max_new_tokens, device=device, dtype=args.dtype, out_dir=out,
                                  metrics=args.metrics, baseline=not args.no_baseline,
-                                 gap_threshold=args.gap_threshold, progress=progress)
+                                 gap_threshold=args.gap_threshold, progress=progress,
+                                 batch_size=args.batch_size, tie_tolerance=args.tie_tolerance)
     except (EvaluationError, FileNotFoundError) as exc:
         err_console.print(f"error: {exc}", markup=False)
         return EXIT_CONFIG

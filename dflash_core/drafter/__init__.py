@@ -12,7 +12,7 @@ See docs/drafter.md. Typical training step on one packed row::
 from dflash_core.drafter.anchors import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths,
                                          sample_anchors, slot_weights)
 from dflash_core.drafter.config import DrafterConfig, default_gamma, pick_mask_token_id
-from dflash_core.drafter.draft import draft_block
+from dflash_core.drafter.draft import draft_block, draft_blocks
 from dflash_core.drafter.export import export_drafter, export_tensor_names, load_drafter, read_export_config
 from dflash_core.drafter.flops import H200_BF16_PEAK, training_flops
 from dflash_core.drafter.layers import default_target_layer_ids, from_aux_layer_ids, to_aux_layer_ids
@@ -25,6 +25,6 @@ __all__ = [
     "default_target_layer_ids", "to_aux_layer_ids", "from_aux_layer_ids",
     "sample_anchors", "anchor_candidates", "block_labels", "build_blocks", "doc_ids_from_lengths",
     "slot_weights", "default_gamma", "pick_mask_token_id", "tau_sim",
-    "drafter_loss", "draft_block", "export_drafter", "load_drafter", "read_export_config",
+    "drafter_loss", "draft_block", "draft_blocks", "export_drafter", "load_drafter", "read_export_config",
     "export_tensor_names", "training_flops", "H200_BF16_PEAK",
 ]

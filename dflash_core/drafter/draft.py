@@ -1,6 +1,8 @@
-"""Greedy block drafting for inference: one block after all verified tokens."""
+"""Greedy block drafting for inference: one block after all verified tokens of each sequence."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -19,26 +21,46 @@ def draft_block(model: DFlashDrafter, features: torch.Tensor, positions: torch.T
     The block [last_token, MASK x (B-1)] sits at last_position + 0..B-1 (default positions[-1] + 1).
     Returns a LongTensor [B-1] on features' device.
     """
-    hidden = draft_hidden(model, features, positions, last_token, embed_weight, last_position)
+    return draft_blocks(model, [features], [positions], [last_token], embed_weight, lm_head_weight,
+                        [last_position])[0]
+
+
+@torch.no_grad()
+def draft_blocks(model: DFlashDrafter, features: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
+                 last_tokens: Sequence[int], embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 last_positions: Sequence[int | None] | None = None) -> torch.Tensor:
+    """:func:`draft_block` for several sequences in one drafter forward: LongTensor [N, B-1]."""
+    hidden = draft_hidden(model, features, positions, last_tokens, embed_weight, last_positions)
     return (hidden.to(lm_head_weight.dtype) @ lm_head_weight.t()).argmax(-1)
 
 
 @torch.no_grad()
-def draft_hidden(model: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, last_token: int,
-                 embed_weight: torch.Tensor, last_position: int | None = None) -> torch.Tensor:
-    """Final-normed hidden states [B-1, H] of slots 1..B-1 of the block after the context
-    (``draft_block``'s arguments): the block sees all T context rows and its own block, i.e. the
-    training mask with a single document and the anchor right after the context."""
-    B, dev = model.block_size, features.device
-    T = features.shape[0]
-    if last_position is None:
-        if T == 0:
-            raise ValueError("last_position is required when there is no context")
-        last_position = int(positions[-1]) + 1
-    ids = torch.full((1, B), model.mask_token_id, dtype=torch.long, device=dev)
-    ids[0, 0] = int(last_token)
-    block_pos = (last_position + torch.arange(B, device=dev))[None, :]
-    layout = BlockLayout(ctx_doc=torch.zeros(T, dtype=torch.long, device=dev),
-                         block_doc=torch.zeros(1, dtype=torch.long, device=dev),
-                         block_start=torch.full((1,), T, dtype=torch.long, device=dev), block_size=B)
-    return model(features, ids, positions.to(dev), block_pos, layout, embed_weight, attn_backend="sdpa")[0]
+def draft_hidden(model: DFlashDrafter, features: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
+                 last_tokens: Sequence[int], embed_weight: torch.Tensor,
+                 last_positions: Sequence[int | None] | None = None) -> torch.Tensor:
+    """Final-normed hidden states [N, B-1, H] of slots 1..B-1 of one block after each context.
+
+    The N contexts are packed into one row as N documents, each followed by its block: the training
+    mask with the anchor right after the context, so a block sees its own context and nothing else.
+    """
+    B, dev = model.block_size, features[0].device
+    starts, ctx_pos, block_pos = [], [], []
+    offset = 0
+    for i, (f, p) in enumerate(zip(features, positions)):
+        last = (last_positions or [None] * len(features))[i]
+        if last is None:
+            if f.shape[0] == 0:
+                raise ValueError("last_position is required when there is no context")
+            last = int(p[-1]) + 1
+        offset += f.shape[0]
+        starts.append(offset)
+        ctx_pos.append(p.to(dev))
+        block_pos.append(last + torch.arange(B, device=dev))
+    lengths = torch.tensor([f.shape[0] for f in features], device=dev)
+    ids = torch.full((len(features), B), model.mask_token_id, dtype=torch.long, device=dev)
+    ids[:, 0] = torch.tensor([int(t) for t in last_tokens], device=dev)
+    layout = BlockLayout(ctx_doc=torch.repeat_interleave(torch.arange(len(features), device=dev), lengths),
+                         block_doc=torch.arange(len(features), device=dev),
+                         block_start=torch.tensor(starts, dtype=torch.long, device=dev), block_size=B)
+    return model(torch.cat(list(features)), ids, torch.cat(ctx_pos), torch.stack(block_pos), layout,
+                 embed_weight, attn_backend="sdpa")

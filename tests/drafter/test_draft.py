@@ -30,3 +30,23 @@ def test_draft_block_without_context_needs_a_position():
         draft_block(model, r["features"][:0], r["position_ids"][:0], 3, r["E"], r["W"])
     empty = draft_block(model, r["features"][:0], r["position_ids"][:0], 3, r["E"], r["W"], last_position=0)
     assert empty.shape == (3,)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(layer_types=["sliding_attention", "full_attention"],
+                                         config_kw=dict(use_sliding_window=True, sliding_window=4))])
+def test_draft_blocks_of_several_contexts_equal_each_drafted_alone(kw):
+    """Batched drafting packs the contexts as documents: no block sees another sequence's context."""
+    from dflash_core.drafter import draft_blocks
+    from dflash_core.drafter.draft import draft_hidden
+
+    r = packed_row(doc_lengths=(30,), pad=0)
+    model = make_drafter(**kw)
+    cuts = [(0, 5), (3, 20), (10, 11), (0, 29)]
+    feats = [r["features"][a:b] for a, b in cuts]
+    pos = [torch.arange(b - a) for a, b in cuts]
+    tokens = [int(r["input_ids"][b]) for _, b in cuts]
+    alone = torch.stack([draft_hidden(model, [f], [p], [t], r["E"])[0] for f, p, t in zip(feats, pos, tokens)])
+    together = draft_hidden(model, feats, pos, tokens, r["E"])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    assert draft_blocks(model, feats, pos, tokens, r["E"], r["W"]).tolist() == \
+        [draft_block(model, f, p, t, r["E"], r["W"]).tolist() for f, p, t in zip(feats, pos, tokens)]

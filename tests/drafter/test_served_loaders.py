@@ -109,7 +109,7 @@ def served(tmp_path_factory):
         features = torch.randn(T, 2 * HIDDEN, generator=g)
         pos = FIRST_POS + torch.arange(T + B)
         token = 7
-        hidden = draft_hidden(load_drafter(export, dtype=torch.float32), features, pos[:T], token, E)
+        hidden = draft_hidden(load_drafter(export, dtype=torch.float32), [features], [pos[:T]], [token], E)[0]
         noise = E[torch.tensor([token] + [MASK_ID] * (B - 1))][None]
         inputs = {"target_hidden": features[None], "noise_embedding": noise, "position_ids": pos[None],
                   "split": torch.tensor([T // 2])}

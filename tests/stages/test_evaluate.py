@@ -194,23 +194,21 @@ def test_cli_defaults_from_export(served, cli):
     assert "speculative decoding" in r.out and "lossless" in r.out
 
 
-def test_cli_fails_when_not_lossless(served, cli, monkeypatch):
+def test_cli_fails_on_a_planted_acceptance_bug(served, cli, monkeypatch):
+    """A loop that accepts one draft too many (a real logic error) fails the check: the wrong token's
+    logit is far below the target's choice, not a near tie."""
     import dflash_stages.spec_decode as sd
 
-    real = sd.speculative_decode
-
-    def corrupt(*a, **kw):
-        res = real(*a, **kw)
-        res.tokens[-1] += 1
-        return res
-
-    monkeypatch.setattr(sd, "speculative_decode", corrupt)
+    real = sd.accepted_prefix
+    monkeypatch.setattr(sd, "accepted_prefix", lambda drafts, target: min(len(drafts), real(drafts, target) + 1))
     out = served["root"] / "eval_bad"
-    r = cli("evaluate", served["export"], "--num-prompts", "1", "--max-new-tokens", "3", "--out", out,
+    r = cli("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "6", "--out", out,
             "--no-baseline")
     assert r.code == 1
     rep = json.loads((out / "report.json").read_text())
-    assert rep["lossless"] is False and rep["mismatches"][0]["index"] == 2
+    assert rep["lossless"] is False and rep["mismatches"][0]["index"] == 1 and rep["near_ties"] == []
+    m = rep["mismatches"][0]
+    assert m["logit_gap"] > m["tolerance"] > 0
     assert "NOT LOSSLESS" in r.text
 
 
