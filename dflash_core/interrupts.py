@@ -1,4 +1,5 @@
-"""SIGINT/SIGTERM during ``dflash-pipe run``: the first asks the run to save and stop, a second aborts.
+"""SIGINT/SIGTERM during ``dflash-pipe run``: the first asks the run to save and stop, the
+second aborts.
 
 Schedulers send SIGTERM some time before they kill a preempted job, and a user's Ctrl-C is
 seldom meant to lose the steps since the last checkpoint: the handler only records the signal

@@ -68,7 +68,8 @@ class Display:
                 line.done += int(event["start"]) - line.start
                 line.start = int(event["start"])
             for key, value in event.items():
-                if key not in ("type", "advance", "unit", "total", "start") and isinstance(value, (int, float)):
+                if (key not in ("type", "advance", "unit", "total", "start")
+                        and isinstance(value, (int, float))):
                     line.counters[key] = line.counters.get(key, 0.0) + value
         elif kind == "metrics":
             line.metrics = {k: v for k, v in event.items() if k != "type"}

@@ -92,7 +92,7 @@ class Runner:
         self.placement: dict[str, tuple[int, ...]] = {}
         """Stage -> ranks running it (set under torchrun)."""
         self.interrupt_signal: int | None = None
-        """The signal that asked this run to stop (set from a signal handler, polled by the loop)."""
+        """The signal that asked this run to stop (set by a signal handler, polled by the loop)."""
 
     def interrupt(self, signum: int) -> None:
         """Ask the run to save and stop (safe in a signal handler: it only records ``signum``)."""
@@ -483,7 +483,8 @@ class _Supervisor:
         self.interrupt.set()
         saving = [s for s in self.chosen if self.results[s].status == "running"
                   and self.p.stages[s].cls.stops_at_interrupt]
-        self.savers = {*saving, *(c for s in saving for c in self.p.consumers(s) if c in self.chosen)}
+        self.savers = {*saving,
+                       *(c for s in saving for c in self.p.consumers(s) if c in self.chosen)}
         what = (f"{', '.join(saving)} will save at the next step and stop" if saving
                 else "stopping (no running stage has state to save)")
         logging.getLogger("dflash_pipe.runner").warning(
