@@ -174,7 +174,7 @@ class Trainer:
         self.started, self.tokens_seen = now(), 0
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         if self.step:  # resumed: the display counts on from the checkpoint's step
-            ctx.progress(0, unit="steps", start=self.step)
+            ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
         if self.limit_reached():
             rows = iter(())
         for row in rows:

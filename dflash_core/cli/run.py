@@ -89,12 +89,13 @@ def report_interrupt(args: argparse.Namespace, run_dir: str, stopped: Interrupte
         err_console.print(f"{name}: training had finished at step {done} ({ckpt})")
         return exit_code(signum)
     if step is not None:
-        err_console.print(f"{name}: interrupted at step {step}, checkpoint saved: {ckpt}")
+        err_console.print(f"{name}: interrupted at step {step}, checkpoint saved: {ckpt}",
+                          soft_wrap=True)
     else:
         how = "aborted" if stopped.aborted else "stopped"
         err_console.print(f"{name}: {how}, no checkpoint saved now; latest checkpoint: "
                           f"{ckpt or 'none'}")
-    err_console.print(f"resume with: {resume_command(args)}")
+    err_console.print(f"resume with: {resume_command(args)}", soft_wrap=True)  # one line to copy
     return exit_code(signum)
 
 

@@ -37,5 +37,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"latest checkpoint: {ckpt or 'none'}"
                   + (f" (training finished at step {done})" if done is not None else "")
                   + (f" (the run was interrupted at step {stopped}; continue it with: "
-                     f"{resume_command(args)})" if stopped is not None else ""))
+                     f"{resume_command(args)})" if stopped is not None else ""),
+                  soft_wrap=True)
     return EXIT_OK
