@@ -131,6 +131,9 @@ class DFlashTrain(Stage):
     inputs = ("features",)
     needs_torch = True
     stops_at_interrupt = True
+    # imported before the stage threads start: extract's thread imports dflash_core.drafter
+    # (through target.py) while this one would, and two threads importing one package can deadlock
+    preload = ("dflash_stages.trainer",)
     cache_ignore = ("log_every",)
 
     @classmethod
