@@ -191,6 +191,11 @@ class ThreadWorker:
 
 
 def _process_main(task: StageTask, events: Any, stop: Any) -> None:
+    import signal
+
+    # a terminal's Ctrl-C reaches the whole process group: the parent decides what it means
+    # (save and stop, or abort) and tells this process through the run's events
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     def parent_alive() -> bool:

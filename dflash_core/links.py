@@ -75,7 +75,8 @@ class Channel:
                 self.q.put(item, timeout=POLL_S)
                 return
             except queue.Full:
-                self._check(self.consumer, self.consumer_alive)
+                if not self.closed.is_set():  # a consumer that closed and ended did not die
+                    self._check(self.consumer, self.consumer_alive)
 
     def close(self) -> None:
         """Signal end of stream (the consumer's iterator then stops)."""

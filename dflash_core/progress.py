@@ -23,6 +23,8 @@ PLAIN_INTERVAL_S = 10.0
 class _StageLine:
     started: float = field(default_factory=time.time)
     done: int = 0
+    start: int = 0
+    """Of ``done``, what an earlier run did (a resumed run): left out of the rate and ETA."""
     total: int | None = None
     unit: str = "items"
     counters: dict[str, float] = field(default_factory=dict)
@@ -32,12 +34,13 @@ class _StageLine:
 
     def rate_text(self) -> str:
         elapsed = max(time.time() - self.started, 1e-6)
+        now = self.done - self.start
         parts = [f"{self.done:,}{'/' + format(self.total, ',') if self.total else ''} {self.unit}",
-                 f"{self.done / elapsed:,.1f} {self.unit}/s"]
+                 f"{now / elapsed:,.1f} {self.unit}/s"]
         for name, value in self.counters.items():
             parts.append(f"{value / elapsed:,.0f} {name}/s")
-        if self.total and self.done:
-            eta = elapsed * (self.total - self.done) / self.done
+        if self.total and now > 0:
+            eta = elapsed * (self.total - self.done) / now
             parts.append(f"ETA {eta:,.0f}s")
         return "  ".join(parts)
 
@@ -61,8 +64,12 @@ class Display:
             line.unit = event.get("unit", line.unit)
             if "total" in event:
                 line.total = int(event["total"])
+            if "start" in event:
+                line.done += int(event["start"]) - line.start
+                line.start = int(event["start"])
             for key, value in event.items():
-                if key not in ("type", "advance", "unit", "total") and isinstance(value, (int, float)):
+                if (key not in ("type", "advance", "unit", "total", "start")
+                        and isinstance(value, (int, float))):
                     line.counters[key] = line.counters.get(key, 0.0) + value
         elif kind == "metrics":
             line.metrics = {k: v for k, v in event.items() if k != "type"}

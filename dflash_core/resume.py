@@ -4,7 +4,7 @@ The checkpoint stage writes ``<run_dir>/checkpoints/<step>/pipeline_state.json``
 stage -> state) and points ``<run_dir>/checkpoints/latest`` at the directory only once the
 checkpoint is complete, so a crash mid-save leaves the previous one as latest. The pointer
 says ``"final": true`` once training has ended (the data ran out) at that checkpoint: resuming
-such a run has nothing left to do.
+such a run has nothing left to do; ``"interrupted": true`` when a signal stopped the run there.
 """
 
 from __future__ import annotations
@@ -26,8 +26,17 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 def finished_at(run_dir: str) -> int | None:
     """The last step of a run whose training ended at its latest checkpoint, else None."""
+    return _step_if(run_dir, "final")
+
+
+def interrupted_at(run_dir: str) -> int | None:
+    """The step a signal (SIGINT/SIGTERM) stopped the run at, saved as its latest checkpoint."""
+    return _step_if(run_dir, "interrupted")
+
+
+def _step_if(run_dir: str, flag: str) -> int | None:
     pointer = read_json(join(run_dir, CHECKPOINTS, LATEST))
-    return int(pointer["step"]) if pointer and pointer.get("final") else None
+    return int(pointer["step"]) if pointer and pointer.get(flag) else None
 
 
 def resume_states(run_dir: str) -> tuple[str | None, dict[str, Any]]:

@@ -8,6 +8,7 @@ drains events, watches for dead workers and stops everything on the first failur
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -39,6 +40,16 @@ class RunFailed(Exception):
     def __init__(self, stage: str, message: str, tb: str = "") -> None:
         super().__init__(f"stage '{stage}' failed: {message}")
         self.stage, self.message, self.tb = stage, message, tb
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal (SIGINT/SIGTERM): after its stateful stages saved and ended,
+    or at once when ``aborted`` (a second signal). ``failures``: stages that failed meanwhile."""
+
+    def __init__(self, signum: int, aborted: bool, results: dict[str, "StageResult"],
+                 failures: list[tuple[str, str, str]]) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum, self.aborted, self.results, self.failures = signum, aborted, results, failures
 
 
 @dataclass
@@ -80,6 +91,12 @@ class Runner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.placement: dict[str, tuple[int, ...]] = {}
         """Stage -> ranks running it (set under torchrun)."""
+        self.interrupt_signal: int | None = None
+        """The signal that asked this run to stop (set by a signal handler, polled by the loop)."""
+
+    def interrupt(self, signum: int) -> None:
+        """Ask the run to save and stop (safe in a signal handler: it only records ``signum``)."""
+        self.interrupt_signal = signum
 
     # ---------------------------------------------------------------- planning
     def selected(self) -> list[str]:
@@ -246,6 +263,9 @@ class _Supervisor:
         self.uses_process = any(self._executor(s) == "process" for s in chosen)
         ctx = mp.get_context("spawn")
         self.stop: Any = ctx.Event() if self.uses_process else threading.Event()
+        self.interrupt: Any = ctx.Event() if self.uses_process else threading.Event()
+        self.savers: set[str] = set()
+        """On an interrupt: the stages it waits for (those that save state, and their consumers)."""
         self.thread_events: queue.Queue[Any] = queue.Queue()
         self.proc_events: Any = ctx.Queue() if self.uses_process else None
         self.channels = self._make_channels(ctx)
@@ -347,7 +367,7 @@ class _Supervisor:
                            world_size=world_size, ranks=self.r.placement.get(stage),
                            resume_state=self.r.resume_states.get(stage),
                            resume_checkpoint=self.r.resume_checkpoint,
-                           pipeline=self._pipeline_view())
+                           pipeline=self._pipeline_view(), interrupt_event=self.interrupt)
         outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
         meta = {"impl": spec.impl, "version": spec.cls.version,
                 "params": semantic_params(self.p, stage), "upstream": upstream_digests}
@@ -418,15 +438,21 @@ class _Supervisor:
     def run(self) -> dict[str, StageResult]:
         pending = list(self.chosen)
         self._start_remote()
+        aborted = False
         try:
             while True:
-                for stage in list(pending):
+                if self.r.interrupt_signal is not None and not self.interrupt.is_set():
+                    self._begin_interrupt()
+                for stage in list(pending) if not self.interrupt.is_set() else ():
                     if self._ready(stage):
                         pending.remove(stage)
                         self._launch(stage)
                 self._drain(0.05)
                 self._check_workers()
                 if self.failures:
+                    break
+                if self.interrupt.is_set() and not any(
+                        self.results[s].status == "running" for s in self.savers):
                     break
                 if not pending and all(
                         self.results[s].status in ("done", "cached") for s in self.chosen):
@@ -435,13 +461,35 @@ class _Supervisor:
                     self.r.display.queues({f"{u}->{d}": (ch.fill(), ch.bound)
                                            for (u, d), ch in self.channels.items()})
         except KeyboardInterrupt:
-            self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
+            if self.r.interrupt_signal is None:  # no handler (not the CLI's main thread)
+                self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
+            aborted = True
+        if self.r.interrupt_signal is not None:
+            # whatever failed after the signal is its consequence (a pool worker hit by the
+            # terminal's Ctrl-C): the outcome is the interrupt; the failures are reported with it
+            self._stop_all()
+            raise Interrupted(self.r.interrupt_signal, aborted, self.results, self.failures)
         if not self.failures:
             self._finish_sends()
         if self.failures:
             self._shutdown()
         self._reap()
         return self.results
+
+    def _begin_interrupt(self) -> None:
+        """Tell the stages; wait for those that save state (and their consumers), stop the rest."""
+        import signal
+
+        self.interrupt.set()
+        saving = [s for s in self.chosen if self.results[s].status == "running"
+                  and self.p.stages[s].cls.stops_at_interrupt]
+        self.savers = {*saving,
+                       *(c for s in saving for c in self.p.consumers(s) if c in self.chosen)}
+        what = (f"{', '.join(saving)} will save at the next step and stop" if saving
+                else "stopping (no running stage has state to save)")
+        logging.getLogger("dflash_pipe.runner").warning(
+            "%s: %s; send it again to abort at once", signal.Signals(self.r.interrupt_signal).name,
+            what)
 
     def _finish_sends(self) -> None:
         """Our stages are done, but items may still be on their way to other ranks: wait."""
@@ -525,6 +573,12 @@ class _Supervisor:
                 self.failures.append((stage, f"died without finishing ({worker.exit_info()})", ""))
 
     def _shutdown(self) -> None:
+        self._stop_all()
+        stage, message, tb = _root_cause(self.failures)
+        raise RunFailed(stage, message, tb)
+
+    def _stop_all(self) -> None:
+        """Stop every worker still running: the stop flag, a grace period, then kill."""
         self._check_workers()  # a killed process is the cause, not its peer's PeerDied
         self.stop.set()
         deadline = time.time() + STOP_GRACE_S
@@ -538,8 +592,6 @@ class _Supervisor:
                 self.results[stage].status = "stopped"
         self._drain(0.05)
         self._release_queues()
-        stage, message, tb = _root_cause(self.failures)
-        raise RunFailed(stage, message, tb)
 
     def _reap(self) -> None:
         """After a successful run: let the workers exit (a process flushes its queues first)."""

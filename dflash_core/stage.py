@@ -53,6 +53,10 @@ class Stage:
     first imported by two stage threads at once."""
     needs_torch: ClassVar[bool] = False
     """True if the stage imports torch; lets the runner resolve its ``device:`` (CUDA checks)."""
+    stops_at_interrupt: ClassVar[bool] = False
+    """True if ``run`` watches :meth:`StageContext.interrupted` and then ends by itself, having
+    yielded what must be saved (the trainer's state): on SIGINT/SIGTERM the runner lets it and
+    its consumers finish. Other stages are stopped at once."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -104,6 +108,7 @@ class StageContext:
     """Stage-filled figures (records in/out, tokens, …): stored with the artifact and shown at the end."""
     emitter: Any = None
     stop_event: Any = None
+    interrupt_event: Any = None
 
     @property
     def logger(self) -> logging.Logger:
@@ -115,12 +120,15 @@ class StageContext:
             self.emitter(self.stage, event)
 
     def progress(self, advance: int = 0, *, total: int | None = None, unit: str = "items",
-                 **counters: float) -> None:
+                 start: int | None = None, **counters: float) -> None:
         """Report progress: ``advance`` items done, optional ``total`` and extra counters
-        (``tokens=…``, ``bytes=…``) that the display turns into rates."""
+        (``tokens=…``, ``bytes=…``) that the display turns into rates. ``start``: items an
+        earlier run already did (a resumed run), counted in the position but not in the rate."""
         event: dict[str, Any] = {"type": "progress", "advance": advance, "unit": unit, **counters}
         if total is not None:
             event["total"] = total
+        if start is not None:
+            event["start"] = start
         self.emit(event)
 
     def stages_of_kind(self, kind: str) -> list[dict[str, Any]]:
@@ -130,6 +138,11 @@ class StageContext:
     def upstream(self, port: str) -> str | None:
         """The pipeline name of the stage feeding input ``port`` (None when not known)."""
         return ((self.pipeline.get(self.stage) or {}).get("after") or {}).get(port)
+
+    def interrupted(self) -> bool:
+        """True once the user interrupted the run (SIGINT/SIGTERM): a stage that
+        ``stops_at_interrupt`` saves its state and ends at its next safe point."""
+        return bool(self.interrupt_event is not None and self.interrupt_event.is_set())
 
     def should_stop(self) -> bool:
         """True once the runner asked every stage to stop (another stage failed)."""

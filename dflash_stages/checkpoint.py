@@ -5,7 +5,8 @@ format), ``train_state.pt`` (drafter, optimizer, step, RNG of rank 0), ``rng.ran
 for the other ranks, ``pipeline_state.json`` (what ``--resume`` hands each stage), then
 ``latest.json`` pointing at it — written last, so a crash mid-save leaves the previous
 checkpoint as latest. A directory that ``latest.json`` names is never rewritten; once training
-has ended there, the pointer says ``"final": true`` (``--resume`` then has nothing to do). The
+has ended there, the pointer says ``"final": true`` (``--resume`` then has nothing to do), or
+``"interrupted": true`` when a signal stopped the run there (``status`` says so). The
 same files are uploaded to ``dest`` (any fsspec URL) with retries, ``latest.json`` last there too.
 """
 
@@ -60,8 +61,8 @@ class FsspecCheckpoint(Stage):
             if name == latest:
                 # the state latest.json names already (the end-of-run state of the step just
                 # saved, or a resumed run with no step left): its directory is never rewritten,
-                # only the pointer learns that training ended there
-                if state["final"] and ctx.rank == 0:
+                # only the pointer learns that training ended or was interrupted there
+                if (state["final"] or state.get("interrupted")) and ctx.rank == 0:
                     write_json(join(root, LATEST), _pointer(name, state))
                     self._point_dest(name, state, ctx)
                     ctx.summary.update(latest=join(root, name), export=join(root, name, "export"),
@@ -91,8 +92,12 @@ class FsspecCheckpoint(Stage):
 
 
 def _pointer(name: str, state: dict[str, Any]) -> dict[str, Any]:
-    """What ``latest.json`` holds: the checkpoint, its step, and whether training ended there."""
-    return {"name": name, "step": state["step"], "final": bool(state["final"])}
+    """What ``latest.json`` holds: the checkpoint, its step, whether training ended there, and
+    whether a signal stopped the run there."""
+    pointer = {"name": name, "step": state["step"], "final": bool(state["final"])}
+    if state.get("interrupted"):
+        pointer["interrupted"] = True
+    return pointer
 
 
 def _unpoint(root: str, name: str, storage_options: dict[str, Any] | None = None) -> None:

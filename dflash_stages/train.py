@@ -50,7 +50,8 @@ class TrainConfig:
                 "auto = triton when the drafter is on CUDA and triton is installed"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
     total_steps: int | None = field(default=None, metadata={
-        "help": "for the schedule; default: from the pack stage's rows per epoch x epochs"})
+        "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
+                "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
     dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
     loss_target: str = field(default="data", metadata={"help": "data | target_argmax | kl"})
     gamma: float | None = None
@@ -129,6 +130,10 @@ class DFlashTrain(Stage):
     Config = TrainConfig
     inputs = ("features",)
     needs_torch = True
+    stops_at_interrupt = True
+    # imported before the stage threads start: extract's thread imports dflash_core.drafter
+    # (through target.py) while this one would, and two threads importing one package can deadlock
+    preload = ("dflash_stages.trainer",)
     cache_ignore = ("log_every",)
 
     @classmethod
@@ -144,6 +149,8 @@ class DFlashTrain(Stage):
             line += f", {summary['replicas']} replicas {'equal' if summary['replicas_equal'] else 'DIFFER'}"
         if "drafter" in summary:
             line += f"; drafter {summary['drafter']} ({summary['drafter_source']})"
+        if "interrupted_at" in summary:
+            line += f"; interrupted at step {summary['interrupted_at']}"
         return line
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
@@ -170,6 +177,26 @@ def append_metrics(path: str, record: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Keep the records of steps up to ``step`` (and no half-written line): a run resumed from
+    the checkpoint of ``step`` logs the later steps again, and each step is to appear once."""
+    if "://" in path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line.rstrip("\n") + "\n" for line in f if _record_step(line) <= step]
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(f"{path}.tmp", path)
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics line; infinity for a line that is not a whole record."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def now() -> float:

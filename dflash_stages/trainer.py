@@ -20,7 +20,8 @@ from dflash_core.resume import PIPELINE_STATE
 from dflash_stages import compile_cache
 from dflash_stages.drafter_init import build_drafter
 from dflash_stages.target import resolve_dtype
-from dflash_stages.train import TrainConfig, append_metrics, lr_at, metrics_path, now
+from dflash_stages.train import (TrainConfig, append_metrics, lr_at, metrics_path, now,
+                                 truncate_metrics)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -37,6 +38,8 @@ class Trainer:
         self.metrics_file = metrics_path(ctx)
         self.tb: Any = None
         self.distributed = ctx.world_size > 1
+        self.interrupt_votes: torch.Tensor | None = None
+        """Replicas asked to stop by an interrupt, summed by the last step's all-reduce."""
 
     # ------------------------------------------------------------------ setup
     def setup(self, header: dict[str, Any]) -> None:
@@ -67,8 +70,10 @@ class Trainer:
             self._init_distributed()
         if self.ctx.resume_checkpoint:
             self._restore(self.ctx.resume_checkpoint)
-        if self.ctx.rank == 0 and "://" not in self.metrics_file and not self.ctx.resume_checkpoint:
-            if os.path.exists(self.metrics_file):
+        if self.ctx.rank == 0:
+            if self.ctx.resume_checkpoint:  # the steps after the checkpoint are logged again
+                truncate_metrics(self.metrics_file, self.step)
+            elif "://" not in self.metrics_file and os.path.exists(self.metrics_file):
                 os.remove(self.metrics_file)
         self._open_tensorboard()
 
@@ -92,7 +97,9 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard not installed: JSONL metrics only
             return
-        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"))
+        # resumed: hide what the earlier run logged after the checkpoint (it is logged again)
+        purge = self.step + 1 if self.ctx.resume_checkpoint else None
+        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"), purge_step=purge)
 
     def _restore(self, ckpt: str) -> None:
         import fsspec
@@ -133,6 +140,19 @@ class Trainer:
             return 1
         return len(producers) // len(mine)
 
+    def limit_reached(self) -> bool:
+        return bool(self.cfg.total_steps) and self.step >= self.cfg.total_steps
+
+    def interrupt_here(self, boundary: bool) -> bool:
+        """Stop for an interrupt after this step? Only where one data cursor fits every producer
+        rank (``boundary``), and on every replica alike: one that stopped alone would leave the
+        others waiting in the next all-reduce."""
+        if not boundary:
+            return False
+        if self.interrupt_votes is not None:
+            return bool(self.interrupt_votes.item() > 0)
+        return self.ctx.interrupted()
+
     def snapshot_every(self) -> int:
         if self.cfg.checkpoint_every:
             return self.cfg.checkpoint_every
@@ -150,9 +170,13 @@ class Trainer:
                 f"has sent as many rows, so every_steps x rows_per_step ({every} x {cfg.rows_per_step}) "
                 f"must be a multiple of {fan_in}")
         window: list[dict[str, torch.Tensor]] = []
-        micro, total = 0, None
+        micro, total, interrupted = 0, None, False
         self.started, self.tokens_seen = now(), 0
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
+        if self.step:  # resumed: the display counts on from the checkpoint's step
+            ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
+        if self.limit_reached():
+            rows = iter(())
         for row in rows:
             total = total or self.total_steps(row)
             tokens = int(row["features"].shape[0])
@@ -179,6 +203,11 @@ class Trainer:
                 window, window_from, t0 = [], self.tokens_seen, now()
             if every and self.step % every == 0:
                 yield self.snapshot(final=False)
+            if self.interrupt_here(rows_done % fan_in == 0):
+                interrupted = True
+                break
+            if self.limit_reached():
+                break
         if micro:  # a last partial step still trains on the rows it has
             grad_norm, lr = self._optimizer_step(total)
             self.step += 1
@@ -186,11 +215,13 @@ class Trainer:
             self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
         ctx.summary.update(steps=self.step, peak_gib=peak_gib(self.device))
+        if interrupted:
+            ctx.summary["interrupted_at"] = self.step
         if self.distributed:
             self._check_replicas()
         if self.tb is not None:
             self.tb.close()
-        yield self.snapshot(final=True)
+        yield self.snapshot(final=not interrupted, interrupted=interrupted)
 
     def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, torch.Tensor] | None:
         cfg = self.cfg
@@ -222,8 +253,11 @@ class Trainer:
             import torch.distributed as dist
 
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            # the replicas' interrupt votes ride along: every one learns of an interrupt at once
+            vote = torch.tensor([float(self.ctx.interrupted())], device=grads[0].device)
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [vote])
             dist.all_reduce(flat, group=self.group)
+            self.interrupt_votes = flat[-1].clone()  # not a view: flat is freed
             flat /= self.ctx.world_size
             offset = 0
             for p in params:
@@ -272,12 +306,13 @@ class Trainer:
                     self.tb.add_scalar(f"train/{key}", record[key], self.step)
 
     # -------------------------------------------------------------- snapshots
-    def snapshot(self, final: bool) -> dict[str, Any]:
+    def snapshot(self, final: bool, interrupted: bool = False) -> dict[str, Any]:
         """Everything a checkpoint needs, copied to CPU so training can go on meanwhile."""
         tok = (self.ctx.stages_of_kind("tokenize") or [{"params": {}}])[0]["params"]
         rng = {"cpu": torch.get_rng_state()}
         return {
-            "kind": "state", "step": self.step, "final": final, "rank": self.ctx.rank,
+            "kind": "state", "step": self.step, "final": final, "interrupted": interrupted,
+            "rank": self.ctx.rank,
             "world_size": self.ctx.world_size,
             "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
             "optimizer": _to_cpu(self.opt.state_dict()),

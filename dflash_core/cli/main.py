@@ -1,19 +1,22 @@
 """Entry point: global options, dispatch, and the mapping of errors to exit codes.
 
 Exit codes: 0 ok, 1 a stage failed, 2 configuration error (bad pipeline file, plugin
-conflict), 4 refused (``--only``/``--from`` with missing or stale inputs).
+conflict), 4 refused (``--only``/``--from`` with missing or stale inputs), 130 / 143 stopped by
+SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 
 from dflash_core import __version__
 from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console,
                                     setup_logging)
+from dflash_core.interrupts import exit_code
 
 COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status", "evaluate", "plan"]
 
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         err_console.print("interrupted")
-        return EXIT_FAILED
+        return exit_code(signal.SIGINT)
     except Exception as exc:  # a bug or an environment problem: one line unless asked
         if args.traceback:
             traceback.print_exc()

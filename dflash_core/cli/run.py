@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from dflash_core.cli.common import EXIT_OK, add_pipeline_args, console, load
+from dflash_core.cli.common import EXIT_OK, add_pipeline_args, console, err_console, load
+
+if TYPE_CHECKING:
+    from dflash_core.runner import Interrupted
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -31,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
+    from dflash_core.interrupts import graceful_signals
     from dflash_core.progress import make_display
-    from dflash_core.runner import Runner
+    from dflash_core.runner import Interrupted, Runner
     from dflash_core.resume import finished_at, resume_states
 
     ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
@@ -51,13 +57,62 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     display = make_display(quiet=args.quiet)
     runner.display = display
     start = time.time()
+    stopped: Interrupted | None = None
     try:
-        results = runner.run()
+        with graceful_signals(runner.interrupt):
+            results = runner.run()
+    except Interrupted as exc:
+        stopped = exc
+    except KeyboardInterrupt:  # the second signal came outside the runner's loop
+        stopped = Interrupted(runner.interrupt_signal or signal.SIGINT, True, {}, [])
     finally:
         display.close()
+    if stopped is not None:
+        if not args.quiet and not stopped.aborted:
+            print_summary(pipeline, stopped.results, time.time() - start)
+        return report_interrupt(args, pipeline.run_dir, stopped)
     if not args.quiet:
         print_summary(pipeline, results, time.time() - start)
     return EXIT_OK
+
+
+def report_interrupt(args: argparse.Namespace, run_dir: str, stopped: Interrupted) -> int:
+    """Say what a signal left on disk and how to go on; the exit status is 128 + the signal."""
+    from dflash_core.interrupts import exit_code
+    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
+
+    signum, name = stopped.signum, signal.Signals(stopped.signum).name
+    for stage, message, _ in stopped.failures:
+        err_console.print(f"while stopping: stage '{stage}' failed: {message}")
+    ckpt, step, done = latest_checkpoint(run_dir), interrupted_at(run_dir), finished_at(run_dir)
+    if done is not None:
+        err_console.print(f"{name}: training had finished at step {done} ({ckpt})")
+        return exit_code(signum)
+    if step is not None:
+        err_console.print(f"{name}: interrupted at step {step}, checkpoint saved: {ckpt}",
+                          soft_wrap=True)
+    else:
+        how = "aborted" if stopped.aborted else "stopped"
+        err_console.print(f"{name}: {how}, no checkpoint saved now; latest checkpoint: "
+                          f"{ckpt or 'none'}")
+    err_console.print(f"resume with: {resume_command(args)}", soft_wrap=True)  # one line to copy
+    return exit_code(signum)
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """This invocation (``run``, or ``status`` of the run) as ``run --resume``: the same pipeline
+    file, plugins, overrides and stages."""
+    words = ["dflash-pipe", "run"]
+    for plugin in args.plugin or []:
+        words += ["-p", plugin]
+    words.append(args.pipeline)
+    for override in args.set or []:
+        words += ["--set", override]
+    for flag, stage in (("--only", getattr(args, "only", None)),
+                        ("--from", getattr(args, "from_stage", None))):
+        if stage:
+            words += [flag, stage]
+    return shlex.join([*words, "--resume"])
 
 
 def print_plan(runner: Any) -> None:

@@ -18,7 +18,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_core.artifacts import ArtifactStore
-    from dflash_core.resume import finished_at, latest_checkpoint
+    from dflash_core.cli.run import resume_command
+    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
     from dflash_core.runstate import RunRecord, analyse
 
     _, pipeline = load(args)
@@ -32,7 +33,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(name, st.state, st.key or "-", st.cause)
     console.print(table)
     ckpt = latest_checkpoint(pipeline.run_dir)
-    done = finished_at(pipeline.run_dir)
+    done, stopped = finished_at(pipeline.run_dir), interrupted_at(pipeline.run_dir)
     console.print(f"latest checkpoint: {ckpt or 'none'}"
-                  + (f" (training finished at step {done})" if done is not None else ""))
+                  + (f" (training finished at step {done})" if done is not None else "")
+                  + (f" (the run was interrupted at step {stopped}; continue it with: "
+                     f"{resume_command(args)})" if stopped is not None else ""),
+                  soft_wrap=True)
     return EXIT_OK
