@@ -65,10 +65,11 @@ def _failed_note(plugins: Any) -> str:
 
 
 class _Loader:
-    def __init__(self, path: str, plugins: Any, errors: ErrorList) -> None:
+    def __init__(self, path: str, plugins: Any, errors: ErrorList, check_devices: bool) -> None:
         self.path = path
         self.plugins = plugins
         self.errors = errors
+        self.check_devices = check_devices
         self.classes: dict[str, type[Stage] | None] = {}
 
     def err(self, mark: Mark, message: str) -> None:
@@ -322,7 +323,7 @@ class _Loader:
                                 f"got {node.describe()}")
             return None
         try:
-            return resolve_device(node.value, self.plugins.hook)
+            return resolve_device(node.value, self.plugins.hook, self.check_devices)
         except ValueError as exc:
             self.err(node.mark, str(exc))
             return None
@@ -488,9 +489,10 @@ class _Loader:
 # -- entry points --------------------------------------------------------------------------
 
 def load_pipeline(path: str | os.PathLike[str], plugins: Any,
-                  overrides: Iterable[str] = ()) -> Pipeline:
+                  overrides: Iterable[str] = (), check_devices: bool = True) -> Pipeline:
     """Read, override and validate a pipeline file; raise ``PipelineFileError`` with every
-    problem found. ``plugins`` is a :class:`~dflash_core.plugins.PluginManager`."""
+    problem found. ``plugins`` is a :class:`~dflash_core.plugins.PluginManager`.
+    ``check_devices=False`` checks how devices are written but not that this host has them."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -498,11 +500,11 @@ def load_pipeline(path: str | os.PathLike[str], plugins: Any,
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PipelineFileError([ConfigError(path, 1, 1, f"cannot read pipeline file: {reason}")])
-    return load_pipeline_text(text, plugins, overrides, path=path)
+    return load_pipeline_text(text, plugins, overrides, path=path, check_devices=check_devices)
 
 
 def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
-                       path: str = "<pipeline>") -> Pipeline:
+                       path: str = "<pipeline>", check_devices: bool = True) -> Pipeline:
     """Like :func:`load_pipeline` for text already read (``path`` is used in messages and for
     the default ``run_dir``)."""
     errors = ErrorList()
@@ -521,7 +523,7 @@ def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
         for ov in parsed:
             if ov is not None:
                 apply_override(root, ov, errors, TOP_KEYS)
-    pipeline = _Loader(path, plugins, errors).load(root)
+    pipeline = _Loader(path, plugins, errors, check_devices).load(root)
     errors.raise_if_any()
     assert pipeline is not None
     return pipeline
