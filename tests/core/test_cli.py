@@ -225,3 +225,22 @@ def test_only_run_needs_the_devices(cli, no_gpu, tmp_path):
     res = cli("validate", bad)
     assert res.code == 2, res.text
     assert f"{bad}:10:49: unknown device 'cuda:one' (expected cpu, cuda, cuda:N or mps)" in res.err
+
+
+def test_list_stages_never_cuts_the_names_to_type(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    res = cli("list-stages")
+    assert res.code == 0, res.text
+    assert max(len(line) for line in res.out.splitlines()) <= 80
+    for uses in ("tokenize:chat_template", "evaluate:spec_decode", "checkpoint:fsspec"):
+        assert res.lines_with(f"│ {uses} "), res.out
+
+
+def test_list_stages_of_an_unknown_kind_is_an_error(cli):
+    res = cli("list-stages", "tokenise")
+    assert res.code == 2, res.text
+    assert res.err.startswith("error: unknown kind 'tokenise' (did you mean 'tokenize'?); kinds: "
+                              "checkpoint, download, evaluate, extract, pack, tokenize, train"), res.err
+    assert res.out == ""
+    res = cli("list-stages", "pack")
+    assert res.code == 0 and res.lines_with("pack:best_fit") and not res.lines_with("train:dflash")
