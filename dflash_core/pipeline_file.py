@@ -423,11 +423,15 @@ class _Loader:
         missing = [p for p in ports if p not in bound]
         if missing:
             mark = after.at_key if after is not None else node.at_key
+            # a source stage whose author left out ``inputs = ()`` has Stage's port: say so
+            inherited = not any("inputs" in vars(c) for c in cls.__mro__ if c is not Stage)
+            source = (f"; or, if {impl} reads no upstream, declare inputs = () in its class, "
+                      f"which now inherits Stage's port '{ports[0]}'" if inherited else "")
             for port in missing:
                 self.err(mark, f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
                                f"(add after: {{{port}: STAGE}})" if len(ports) > 1 else
                          f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
-                         f"(add 'after: STAGE')")
+                         f"(add 'after: STAGE'{source})")
             return None
         return {p: bound[p] for p in ports}
 
