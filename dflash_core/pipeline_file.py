@@ -9,9 +9,10 @@ that positions survive: ``Node`` keeps each value with the mark of its key and o
 File format (version 1)::
 
     version: 1                      # required, must be 1
-    run_dir: runs/my_run            # optional; default runs/<pipeline file stem>. A relative
-                                    # path is relative to the current working directory (not
-                                    # to the pipeline file); fsspec URLs (s3://…) are kept as is
+    run_dir: ../runs/my_run         # optional; default runs/<pipeline file stem>. A relative
+                                    # path here and in a stage's path params is relative to
+                                    # the pipeline file's directory (dflash_core/paths.py);
+                                    # fsspec URLs (s3://…) are kept as is
     defaults: {device: cpu, executor: thread}   # optional, applied to every stage
     x-anything: &anchor {...}       # keys starting with x- are ignored (for YAML anchors)
     stages:                         # non-empty mapping, in run order where the DAG allows
@@ -33,6 +34,7 @@ import networkx as nx
 from dflash_core.config_types import did_you_mean, plain, validate_params
 from dflash_core.devices import resolve_device
 from dflash_core.errors import ConfigError, PipelineFileError
+from dflash_core.paths import path_fields, resolve_path
 from dflash_core.pipeline import Mark, Pipeline, StageSpec
 from dflash_core.stage import EXECUTORS, LINKS, Stage
 from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, compose, parse_override
@@ -65,12 +67,22 @@ def _failed_note(plugins: Any) -> str:
 
 
 class _Loader:
-    def __init__(self, path: str, plugins: Any, errors: ErrorList, check_devices: bool) -> None:
+    def __init__(self, path: str, plugins: Any, errors: ErrorList, check_devices: bool,
+                 base_dir: str) -> None:
         self.path = path
         self.plugins = plugins
         self.errors = errors
         self.check_devices = check_devices
+        self.base_dir = base_dir
         self.classes: dict[str, type[Stage] | None] = {}
+
+    def absolute(self, node: Node) -> None:
+        """Resolve a relative path in ``node`` (a string or a list of them) in place: against
+        the pipeline file's directory, or the current one for a ``--set`` value."""
+        base = os.getcwd() if node.mark.file == SET_FILE else self.base_dir
+        for item in node.value if node.kind == "seq" else [node]:
+            if item.kind == "scalar" and isinstance(item.value, str) and item.value.strip():
+                item.value = resolve_path(item.value, base)
 
     def err(self, mark: Mark, message: str) -> None:
         self.errors.add(mark, message)
@@ -139,13 +151,14 @@ class _Loader:
     def run_dir(self, node: Node | None) -> str:
         stem = os.path.splitext(os.path.basename(self.path))[0]
         stem = re.sub(r"[^A-Za-z0-9_.\-]", "", stem) or "pipeline"  # "<pipeline>" -> "pipeline"
-        default = os.path.join("runs", stem)
+        default = os.path.join(self.base_dir, "runs", stem)
         if node is None:
             return default
         if node.kind != "scalar" or not isinstance(node.value, str) or not node.value.strip():
             self.err(node.mark, f"'run_dir' must be a non-empty string (a path or URL), "
                                 f"got {node.describe()}")
             return default
+        self.absolute(node)
         return node.value
 
     def defaults(self, node: Node | None) -> dict[str, Node]:
@@ -456,6 +469,10 @@ class _Loader:
                 cur, mark = nxt, (nxt.at_key if where == "key" or nxt.is_map else nxt.mark)
             return mark
 
+        if params is not None and params.is_map:
+            for key in path_fields(cls.Config):
+                if key in params.value:
+                    self.absolute(params.value[key])
         raw = params.plain() if params is not None else {}
         config, errors = validate_params(cls.Config, raw, mark_of, owner=impl)
         for mark, message in errors:
@@ -504,13 +521,16 @@ def load_pipeline(path: str | os.PathLike[str], plugins: Any,
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PipelineFileError([ConfigError(path, 1, 1, f"cannot read pipeline file: {reason}")])
-    return load_pipeline_text(text, plugins, overrides, path=path, check_devices=check_devices)
+    return load_pipeline_text(text, plugins, overrides, path=path, check_devices=check_devices,
+                              base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
-                       path: str = "<pipeline>", check_devices: bool = True) -> Pipeline:
+                       path: str = "<pipeline>", check_devices: bool = True,
+                       base_dir: str | None = None) -> Pipeline:
     """Like :func:`load_pipeline` for text already read (``path`` is used in messages and for
-    the default ``run_dir``)."""
+    the default ``run_dir``; relative paths resolve against ``base_dir``, default the current
+    directory)."""
     errors = ErrorList()
     errors.sources[path] = text.splitlines()
     overrides = list(overrides)
@@ -527,7 +547,7 @@ def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
         for ov in parsed:
             if ov is not None:
                 apply_override(root, ov, errors, TOP_KEYS)
-    pipeline = _Loader(path, plugins, errors, check_devices).load(root)
+    pipeline = _Loader(path, plugins, errors, check_devices, base_dir or os.getcwd()).load(root)
     errors.raise_if_any()
     assert pipeline is not None
     return pipeline

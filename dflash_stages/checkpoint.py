@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join, write_json
+from dflash_core.paths import PATH_FIELD
 from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
 from dflash_core.retry import call_with_retries
 
@@ -28,7 +29,8 @@ class CheckpointConfig:
     every_steps: int = field(default=1000, metadata={"help": "save every N optimizer steps (and at the end)"})
     keep_last: int = field(default=3, metadata={
         "help": "complete checkpoints kept in the run dir and at dest"})
-    dest: str | None = field(default=None, metadata={"help": "also upload to this URL (s3://…)"})
+    dest: str | None = field(default=None, metadata={**PATH_FIELD,
+                                                     "help": "also upload to this URL (s3://…)"})
     retries: int = 5
     backoff: float = 0.5
     storage_options: dict[str, Any] = field(default_factory=dict)
