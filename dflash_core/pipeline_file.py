@@ -14,6 +14,9 @@ File format (version 1)::
                                     # the pipeline file's directory (dflash_core/paths.py);
                                     # fsspec URLs (s3://…) are kept as is
     defaults: {device: cpu, executor: thread}   # optional, applied to every stage
+    storage_options: {endpoint_url: …}          # optional: every stage with a storage_options
+                                                # param (download, checkpoint) gets it unless
+                                                # the stage sets its own
     x-anything: &anchor {...}       # keys starting with x- are ignored (for YAML anchors)
     stages:                         # non-empty mapping, in run order where the DAG allows
       NAME: {uses, after, device, link, executor, ranks, params}
@@ -25,6 +28,7 @@ are reported as ``--set:N:col`` (N = 1-based index of the override).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Iterable, Sequence
@@ -40,7 +44,8 @@ from dflash_core.stage import EXECUTORS, LINKS, Stage
 from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, compose, parse_override
 
 VERSION = 1
-TOP_KEYS = ("version", "run_dir", "stages", "defaults")
+TOP_KEYS = ("version", "run_dir", "stages", "defaults", "storage_options")
+STORAGE = "storage_options"
 STAGE_KEYS = ("uses", "after", "device", "link", "executor", "ranks", "params")
 DEFAULT_KEYS = ("device", "executor")
 EXTENSION_PREFIX = "x-"
@@ -75,6 +80,8 @@ class _Loader:
         self.check_devices = check_devices
         self.base_dir = base_dir
         self.classes: dict[str, type[Stage] | None] = {}
+        self.storage: dict[str, Any] | None = None
+        """The top-level storage_options, for the stages that do not set theirs."""
 
     def absolute(self, node: Node) -> None:
         """Resolve a relative path in ``node`` (a string or a list of them) in place: against
@@ -106,6 +113,12 @@ class _Loader:
         version = self.version(top.get("version"), root)
         run_dir = self.run_dir(top.get("run_dir"))
         defaults = self.defaults(top.get("defaults"))
+        storage = top.get(STORAGE)
+        if storage is not None and not storage.is_map:
+            self.err(storage.mark, f"'{STORAGE}' must be a mapping of fsspec options, "
+                                   f"got {storage.describe()}")
+        elif storage is not None:
+            self.storage = storage.plain()
         stages_node = top.get("stages")
         if stages_node is None:
             self.err(root.mark, "missing 'stages:' (a mapping of stage name -> settings)")
@@ -474,6 +487,10 @@ class _Loader:
                 if key in params.value:
                     self.absolute(params.value[key])
         raw = params.plain() if params is not None else {}
+        if (self.storage is not None and isinstance(raw, dict) and STORAGE not in raw
+                and dataclasses.is_dataclass(cls.Config)
+                and any(f.name == STORAGE for f in dataclasses.fields(cls.Config))):
+            raw[STORAGE] = self.storage
         config, errors = validate_params(cls.Config, raw, mark_of, owner=impl)
         for mark, message in errors:
             self.err(mark, message)
