@@ -75,11 +75,13 @@ def visible_cuda_devices() -> int:
     return min(count, len(ids)) if env is not None else count
 
 
-def resolve_device(spec: str, hook: object | None = None) -> str:
+def resolve_device(spec: str, hook: object | None = None, check_available: bool = True) -> str:
     """Return a torch device string for ``spec`` or raise ``ValueError`` saying why not.
 
     Plugins get the first word through ``dflash_pipe_resolve_device``; the built-in rule
     accepts ``cpu``, ``mps``, ``cuda`` (= ``cuda:0``) and ``cuda:N`` for a visible N.
+    ``check_available=False`` checks the syntax only: a GPU job is validated and planned on a
+    host that cannot run it.
     """
     if hook is not None:
         resolved = hook.dflash_pipe_resolve_device(spec=spec)  # type: ignore[attr-defined]
@@ -90,9 +92,9 @@ def resolve_device(spec: str, hook: object | None = None) -> str:
         raise ValueError(f"unknown device '{spec}' (expected cpu, cuda, cuda:N or mps)")
     kind, index = m.group(1), m.group(2)
     if kind == "cuda":
-        n = visible_cuda_devices()
         idx = int(index or 0)
-        if idx >= n:
+        n = visible_cuda_devices() if check_available else None
+        if n is not None and idx >= n:
             seen = f"{n} CUDA device{'s' if n != 1 else ''} visible"
             raise ValueError(f"device '{spec}' is not available ({seen})")
         return f"cuda:{idx}"

@@ -9,10 +9,14 @@ that positions survive: ``Node`` keeps each value with the mark of its key and o
 File format (version 1)::
 
     version: 1                      # required, must be 1
-    run_dir: runs/my_run            # optional; default runs/<pipeline file stem>. A relative
-                                    # path is relative to the current working directory (not
-                                    # to the pipeline file); fsspec URLs (s3://…) are kept as is
+    run_dir: ../runs/my_run         # optional; default runs/<pipeline file stem>. A relative
+                                    # path here and in a stage's path params is relative to
+                                    # the pipeline file's directory (dflash_core/paths.py);
+                                    # fsspec URLs (s3://…) are kept as is
     defaults: {device: cpu, executor: thread}   # optional, applied to every stage
+    storage_options: {endpoint_url: …}          # optional: every stage with a storage_options
+                                                # param (download, checkpoint) gets it unless
+                                                # the stage sets its own
     x-anything: &anchor {...}       # keys starting with x- are ignored (for YAML anchors)
     stages:                         # non-empty mapping, in run order where the DAG allows
       NAME: {uses, after, device, link, executor, ranks, params}
@@ -24,6 +28,7 @@ are reported as ``--set:N:col`` (N = 1-based index of the override).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Iterable, Sequence
@@ -33,12 +38,14 @@ import networkx as nx
 from dflash_core.config_types import did_you_mean, plain, validate_params
 from dflash_core.devices import resolve_device
 from dflash_core.errors import ConfigError, PipelineFileError
+from dflash_core.paths import path_fields, resolve_path
 from dflash_core.pipeline import Mark, Pipeline, StageSpec
 from dflash_core.stage import EXECUTORS, LINKS, Stage
 from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, compose, parse_override
 
 VERSION = 1
-TOP_KEYS = ("version", "run_dir", "stages", "defaults")
+TOP_KEYS = ("version", "run_dir", "stages", "defaults", "storage_options")
+STORAGE = "storage_options"
 STAGE_KEYS = ("uses", "after", "device", "link", "executor", "ranks", "params")
 DEFAULT_KEYS = ("device", "executor")
 EXTENSION_PREFIX = "x-"
@@ -65,11 +72,24 @@ def _failed_note(plugins: Any) -> str:
 
 
 class _Loader:
-    def __init__(self, path: str, plugins: Any, errors: ErrorList) -> None:
+    def __init__(self, path: str, plugins: Any, errors: ErrorList, check_devices: bool,
+                 base_dir: str) -> None:
         self.path = path
         self.plugins = plugins
         self.errors = errors
+        self.check_devices = check_devices
+        self.base_dir = base_dir
         self.classes: dict[str, type[Stage] | None] = {}
+        self.storage: dict[str, Any] | None = None
+        """The top-level storage_options, for the stages that do not set theirs."""
+
+    def absolute(self, node: Node) -> None:
+        """Resolve a relative path in ``node`` (a string or a list of them) in place: against
+        the pipeline file's directory, or the current one for a ``--set`` value."""
+        base = os.getcwd() if node.mark.file == SET_FILE else self.base_dir
+        for item in node.value if node.kind == "seq" else [node]:
+            if item.kind == "scalar" and isinstance(item.value, str) and item.value.strip():
+                item.value = resolve_path(item.value, base)
 
     def err(self, mark: Mark, message: str) -> None:
         self.errors.add(mark, message)
@@ -93,6 +113,12 @@ class _Loader:
         version = self.version(top.get("version"), root)
         run_dir = self.run_dir(top.get("run_dir"))
         defaults = self.defaults(top.get("defaults"))
+        storage = top.get(STORAGE)
+        if storage is not None and not storage.is_map:
+            self.err(storage.mark, f"'{STORAGE}' must be a mapping of fsspec options, "
+                                   f"got {storage.describe()}")
+        elif storage is not None:
+            self.storage = storage.plain()
         stages_node = top.get("stages")
         if stages_node is None:
             self.err(root.mark, "missing 'stages:' (a mapping of stage name -> settings)")
@@ -138,13 +164,14 @@ class _Loader:
     def run_dir(self, node: Node | None) -> str:
         stem = os.path.splitext(os.path.basename(self.path))[0]
         stem = re.sub(r"[^A-Za-z0-9_.\-]", "", stem) or "pipeline"  # "<pipeline>" -> "pipeline"
-        default = os.path.join("runs", stem)
+        default = os.path.join(self.base_dir, "runs", stem)
         if node is None:
             return default
         if node.kind != "scalar" or not isinstance(node.value, str) or not node.value.strip():
             self.err(node.mark, f"'run_dir' must be a non-empty string (a path or URL), "
                                 f"got {node.describe()}")
             return default
+        self.absolute(node)
         return node.value
 
     def defaults(self, node: Node | None) -> dict[str, Node]:
@@ -322,7 +349,7 @@ class _Loader:
                                 f"got {node.describe()}")
             return None
         try:
-            return resolve_device(node.value, self.plugins.hook)
+            return resolve_device(node.value, self.plugins.hook, self.check_devices)
         except ValueError as exc:
             self.err(node.mark, str(exc))
             return None
@@ -422,11 +449,15 @@ class _Loader:
         missing = [p for p in ports if p not in bound]
         if missing:
             mark = after.at_key if after is not None else node.at_key
+            # a source stage whose author left out ``inputs = ()`` has Stage's port: say so
+            inherited = not any("inputs" in vars(c) for c in cls.__mro__ if c is not Stage)
+            source = (f"; or, if {impl} reads no upstream, declare inputs = () in its class, "
+                      f"which now inherits Stage's port '{ports[0]}'" if inherited else "")
             for port in missing:
                 self.err(mark, f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
                                f"(add after: {{{port}: STAGE}})" if len(ports) > 1 else
                          f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
-                         f"(add 'after: STAGE')")
+                         f"(add 'after: STAGE'{source})")
             return None
         return {p: bound[p] for p in ports}
 
@@ -451,7 +482,15 @@ class _Loader:
                 cur, mark = nxt, (nxt.at_key if where == "key" or nxt.is_map else nxt.mark)
             return mark
 
+        if params is not None and params.is_map:
+            for key in path_fields(cls.Config):
+                if key in params.value:
+                    self.absolute(params.value[key])
         raw = params.plain() if params is not None else {}
+        if (self.storage is not None and isinstance(raw, dict) and STORAGE not in raw
+                and dataclasses.is_dataclass(cls.Config)
+                and any(f.name == STORAGE for f in dataclasses.fields(cls.Config))):
+            raw[STORAGE] = self.storage
         config, errors = validate_params(cls.Config, raw, mark_of, owner=impl)
         for mark, message in errors:
             self.err(mark, message)
@@ -488,9 +527,10 @@ class _Loader:
 # -- entry points --------------------------------------------------------------------------
 
 def load_pipeline(path: str | os.PathLike[str], plugins: Any,
-                  overrides: Iterable[str] = ()) -> Pipeline:
+                  overrides: Iterable[str] = (), check_devices: bool = True) -> Pipeline:
     """Read, override and validate a pipeline file; raise ``PipelineFileError`` with every
-    problem found. ``plugins`` is a :class:`~dflash_core.plugins.PluginManager`."""
+    problem found. ``plugins`` is a :class:`~dflash_core.plugins.PluginManager`.
+    ``check_devices=False`` checks how devices are written but not that this host has them."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -498,13 +538,16 @@ def load_pipeline(path: str | os.PathLike[str], plugins: Any,
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PipelineFileError([ConfigError(path, 1, 1, f"cannot read pipeline file: {reason}")])
-    return load_pipeline_text(text, plugins, overrides, path=path)
+    return load_pipeline_text(text, plugins, overrides, path=path, check_devices=check_devices,
+                              base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
-                       path: str = "<pipeline>") -> Pipeline:
+                       path: str = "<pipeline>", check_devices: bool = True,
+                       base_dir: str | None = None) -> Pipeline:
     """Like :func:`load_pipeline` for text already read (``path`` is used in messages and for
-    the default ``run_dir``)."""
+    the default ``run_dir``; relative paths resolve against ``base_dir``, default the current
+    directory)."""
     errors = ErrorList()
     errors.sources[path] = text.splitlines()
     overrides = list(overrides)
@@ -521,7 +564,7 @@ def load_pipeline_text(text: str, plugins: Any, overrides: Iterable[str] = (),
         for ov in parsed:
             if ov is not None:
                 apply_override(root, ov, errors, TOP_KEYS)
-    pipeline = _Loader(path, plugins, errors).load(root)
+    pipeline = _Loader(path, plugins, errors, check_devices, base_dir or os.getcwd()).load(root)
     errors.raise_if_any()
     assert pipeline is not None
     return pipeline

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.artifacts import join, read_json, write_json
+from dflash_core.artifacts import join, write_json
+from dflash_core.paths import PATH_FIELD
 from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
 from dflash_core.retry import call_with_retries
 
@@ -27,8 +28,10 @@ from dflash_core.retry import call_with_retries
 @dataclass
 class CheckpointConfig:
     every_steps: int = field(default=1000, metadata={"help": "save every N optimizer steps (and at the end)"})
-    keep_last: int = field(default=3, metadata={"help": "complete checkpoints kept in the run dir"})
-    dest: str | None = field(default=None, metadata={"help": "also upload to this URL (s3://…)"})
+    keep_last: int = field(default=3, metadata={
+        "help": "complete checkpoints kept in the run dir and at dest"})
+    dest: str | None = field(default=None, metadata={**PATH_FIELD,
+                                                     "help": "also upload to this URL (s3://…)"})
     retries: int = 5
     backoff: float = 0.5
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +81,8 @@ class FsspecCheckpoint(Stage):
                            self.config, ctx)
                     upload(path, join(self.config.dest, name), self.config, ctx)
                     self._point_dest(name, state, ctx)
+                    _retry(lambda: prune(self.config.dest, self.config.keep_last,
+                                         self.config.storage_options), self.config, ctx)
                 prune(root, self.config.keep_last)
                 ctx.emit({"type": "checkpoint", "step": state["step"], "path": path})
                 ctx.summary.update(latest=path, export=join(path, "export"), step=state["step"])
@@ -199,12 +204,16 @@ def _barrier() -> None:
         dist.barrier(group=_GROUPS[world])
 
 
-def prune(root: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (never the latest)."""
+def prune(root: str, keep: int, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``, the run dir's or
+    the dest's (never the one its ``latest.json`` names)."""
     from fsspec.core import url_to_fs
 
-    fs, path = url_to_fs(root)
-    latest = (read_json(join(root, LATEST)) or {}).get("name")
+    fs, path = url_to_fs(root, **(storage_options or {}))
+    try:
+        latest = json.loads(fs.cat_file(f"{path}/{LATEST}")).get("name")
+    except FileNotFoundError:
+        latest = None
     names = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
     steps = [n for n in names if n.startswith("step-") and ".tmp-" not in n]
     for old in steps[:-keep] if keep > 0 else []:

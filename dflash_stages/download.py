@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from dflash_core.paths import PATH_FIELD
 from dflash_core.retry import call_with_retries, http_status, is_permanent
 from dflash_core.stage import Stage, StageContext
 
@@ -48,7 +49,7 @@ class _VerifyError(OSError):
 
 @dataclass
 class DownloadConfig:
-    source: str | list[str]
+    source: str | list[str] = field(metadata=PATH_FIELD)
     """URL, path or glob, or a list of them (s3://bucket/dir/*.jsonl, gs://…, file:///…, ./data/*.jsonl)."""
     workers: int = 8
     """Parallel fetches."""

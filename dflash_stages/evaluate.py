@@ -20,9 +20,10 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from dflash_core.paths import PATH_FIELD
 from dflash_core.stage import Stage, StageContext
 from dflash_stages.prompts import PromptError, build_prompts, eos_ids, read_records
 
@@ -320,7 +321,7 @@ def _tokenizer(meta: Mapping[str, Any], target_ref: str | None, tok: Any) -> Any
 class EvaluateConfig:
     every: int = 1
     """Evaluate every N-th checkpoint (and always the final one)."""
-    prompts: str | None = None
+    prompts: str | None = field(default=None, metadata=PATH_FIELD)
     """JSONL of records (DESIGN §6); default: the held-out set recorded in the export."""
     num_prompts: int = 16
     """Prompts used (the first N of the file)."""

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join
 from dflash_core.devices import check_compile_setting
+from dflash_core.paths import PATH_FIELD
 from dflash_core.rows import FEATURE_ROW, checked
 
 ADAMW_KERNELS = ("auto", "triton", "torch")
@@ -67,7 +68,7 @@ class TrainConfig:
         "help": "explicit num_attention_heads / num_key_value_heads / head_dim / rope_theta over "
                 "drafter_shape's"})
     init_from: str | None = field(default=None, metadata={
-        "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
+        **PATH_FIELD, "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
                 "random weights; its hidden size, vocab, target layers, block size and layer count "
                 "must match this run"})
     attn_backend: str = "auto"
@@ -81,7 +82,7 @@ class TrainConfig:
     compile: str = field(default="auto", metadata={
         "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
-        "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
+        **PATH_FIELD, "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
     flex_kernel_options: dict[str, Any] | str | None = field(default="auto", metadata={
         "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1): auto = the ones "
                 "measured fastest on this GPU kind if known (benchmarks/flex_tune.py), null = torch's "
@@ -92,7 +93,7 @@ class TrainConfig:
     pad_anchors: bool = field(default=True, metadata={
         "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={
-        "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
+        **PATH_FIELD, "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file

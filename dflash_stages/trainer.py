@@ -16,6 +16,7 @@ from dflash_core.devices import compile_wanted, peak_gib
 from dflash_core.drafter import drafter_loss, sample_anchors
 from dflash_core.drafter.attention import flex_kernel_options, flex_tile
 from dflash_core.drafter.optim import adamw, clipped_step
+from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_stages import compile_cache
 from dflash_stages.drafter_init import build_drafter
@@ -323,8 +324,8 @@ class Trainer:
             "metadata": {"target": self.target["model"], "tokenizer": tok.get("tokenizer"),
                          "thinking": tok.get("thinking"),
                          "chat_template_kwargs": tok.get("chat_template_kwargs") or {},
-                         "heldout": os.path.abspath(self.cfg.heldout) if self.cfg.heldout else None,
-                         "metrics": self.metrics_file, "step": self.step},
+                         "heldout": resolve_path(self.cfg.heldout, os.getcwd()) if self.cfg.heldout else None,
+                         "metrics": resolve_path(self.metrics_file, os.getcwd()), "step": self.step},
         }
 
 

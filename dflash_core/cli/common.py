@@ -25,12 +25,15 @@ def plugin_manager(args: argparse.Namespace) -> PluginManager:
     return PluginManager(disabled=disabled, extra_plugins=extra)
 
 
-def load(args: argparse.Namespace) -> tuple[PluginManager, Any]:
-    """Plugins and the validated pipeline; raises PipelineFileError on a bad file."""
+def load(args: argparse.Namespace, check_devices: bool = False) -> tuple[PluginManager, Any]:
+    """Plugins and the validated pipeline; raises PipelineFileError on a bad file. Only ``run``
+    needs this host to have the stages' devices (``check_devices``): the other commands inspect a
+    job that may run elsewhere."""
     from dflash_core.pipeline_file import load_pipeline
 
     pm = plugin_manager(args)
-    pipeline = load_pipeline(args.pipeline, pm, overrides=getattr(args, "set", None) or [])
+    pipeline = load_pipeline(args.pipeline, pm, overrides=getattr(args, "set", None) or [],
+                             check_devices=check_devices)
     return pm, pipeline
 
 

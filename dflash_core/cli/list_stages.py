@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from dflash_core.cli.common import EXIT_OK, console, plugin_manager
+from dflash_core.cli.common import EXIT_CONFIG, EXIT_OK, console, err_console, plugin_manager
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -17,19 +17,25 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.config_types import config_schema
+    from dflash_core.config_types import config_schema, did_you_mean
 
     pm = plugin_manager(args)
+    kinds = pm.registry.kinds()
+    if args.kind and args.kind not in kinds:
+        err_console.print(f"error: unknown kind '{args.kind}'{did_you_mean(args.kind, kinds)}; "
+                          f"kinds: {', '.join(kinds) or 'none'}")
+        return EXIT_CONFIG
+    rows = [(f"{kind}:{name}", pm.registry.owner(kind, name), ", ".join(cls.inputs) or "-",
+             cls.default_link, ", ".join(f"{f[0]}: {f[1]} = {f[2]!r}" if len(f) > 2 else str(f[0])
+                                         for f in config_schema(cls.Config)))
+            for (kind, name), cls in pm.registry.items() if not args.kind or kind == args.kind]
     table = Table(title="stage implementations")
-    for col in ("uses", "plugin", "inputs", "link", "params"):
+    # the uses column is what people type into a pipeline file: never cut, the others wrap
+    table.add_column("uses", no_wrap=True, min_width=max((len(r[0]) for r in rows), default=4))
+    for col in ("plugin", "inputs", "link", "params"):
         table.add_column(col)
-    for (kind, name), cls in pm.registry.items():
-        if args.kind and kind != args.kind:
-            continue
-        params = ", ".join(f"{f[0]}: {f[1]} = {f[2]!r}" if len(f) > 2 else str(f[0])
-                           for f in config_schema(cls.Config))
-        table.add_row(f"{kind}:{name}", pm.registry.owner(kind, name),
-                      ", ".join(cls.inputs) or "-", cls.default_link, params)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     failed = pm.failed_plugins()
     if failed:

@@ -31,7 +31,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    pm, pipeline = load(args)
+    pm, pipeline = load(args, check_devices=True)
     return execute(args, pm, pipeline)
 
 

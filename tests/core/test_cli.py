@@ -7,11 +7,13 @@ a real interpreter exit (a killed stage process) run ``python -m dflash_core.cli
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 
-from tests.conftest import STAGES
+from dflash_core import devices
+from tests.conftest import REPO, STAGES
 
 CHAIN = """
     stages:
@@ -181,3 +183,64 @@ def test_killed_process_stage_with_big_items_exits_instead_of_hanging(cli_subpro
     assert "stage 'scale' failed" in res.err and "SIGKILL" in res.err
     killed = float((tmp_path / "run" / "killed_at").read_text())
     assert ended - killed < 10, f"exit came {ended - killed:.1f}s after the kill"
+
+
+GPU_PIPELINES = sorted(p for p in (REPO / "pipelines").rglob("*.yaml")
+                       if re.search(r"^[^#]*device: \"?cuda", p.read_text(), re.M))
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A host without CUDA devices, whatever this machine has."""
+    monkeypatch.setattr(devices, "visible_cuda_devices", lambda: 0)
+
+
+def test_the_gpu_pipelines_are_found():
+    names = {p.relative_to(REPO).as_posix() for p in GPU_PIPELINES}
+    assert {"pipelines/two_gpu.yaml", "pipelines/qwen3_6_27b.yaml",
+            "pipelines/layouts_h200x4/pairs.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", GPU_PIPELINES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_gpu_pipelines_validate_and_plan_on_a_host_without_gpus(cli, no_gpu, path):
+    res = cli("validate", path)
+    assert res.code == 0, res.text
+    assert res.lines_with(f"{path}: ok")
+    res = cli("plan", path, "--rates", "5851,23076", "--gpus", "4")
+    assert res.code == 0, res.text
+    assert res.lines_with("recommended: "), res.out
+
+
+def test_only_run_needs_the_devices(cli, no_gpu, tmp_path):
+    gpu = REPO / "pipelines" / "two_gpu.yaml"
+    assert cli("validate", gpu).code == 0
+    res = cli("run", gpu, "--set", f"run_dir={tmp_path / 'run'}")
+    assert res.code == 2, res.text
+    assert f"{gpu}:9:50: device 'cuda:0' is not available (0 CUDA devices visible)" in res.err
+    assert f"{gpu}:10:49: device 'cuda:1' is not available" in res.err
+    assert not (tmp_path / "run").exists()
+    # validate still checks how a device is written, at its file:line:col
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(gpu.read_text().replace("device: cuda:1", "device: cuda:one"))
+    res = cli("validate", bad)
+    assert res.code == 2, res.text
+    assert f"{bad}:10:49: unknown device 'cuda:one' (expected cpu, cuda, cuda:N or mps)" in res.err
+
+
+def test_list_stages_never_cuts_the_names_to_type(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    res = cli("list-stages")
+    assert res.code == 0, res.text
+    assert max(len(line) for line in res.out.splitlines()) <= 80
+    for uses in ("tokenize:chat_template", "evaluate:spec_decode", "checkpoint:fsspec"):
+        assert res.lines_with(f"│ {uses} "), res.out
+
+
+def test_list_stages_of_an_unknown_kind_is_an_error(cli):
+    res = cli("list-stages", "tokenise")
+    assert res.code == 2, res.text
+    assert res.err.startswith("error: unknown kind 'tokenise' (did you mean 'tokenize'?); kinds: "
+                              "checkpoint, download, evaluate, extract, pack, tokenize, train"), res.err
+    assert res.out == ""
+    res = cli("list-stages", "pack")
+    assert res.code == 0 and res.lines_with("pack:best_fit") and not res.lines_with("train:dflash")

@@ -7,6 +7,7 @@ number of errors must match the number of expectations.
 
 from __future__ import annotations
 
+import os
 import re
 import types
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from dflash_core import devices
 from dflash_core.errors import PipelineFileError
 from dflash_core.pipeline_file import load_pipeline, load_pipeline_text
 from dflash_core.plugins import PluginManager
+from tests.conftest import REPO
 
 BROKEN = Path(__file__).parent / "broken"
 
@@ -238,7 +240,7 @@ def write(tmp_path, text, name="valid.yaml") -> str:
 def test_valid_round_trip(plugins, tmp_path):
     path = write(tmp_path, VALID)
     p = load_pipeline(path, plugins)
-    assert p.path == path and p.version == 1 and p.run_dir == "runs/valid"
+    assert p.path == path and p.version == 1 and p.run_dir == str(tmp_path / "runs" / "valid")
     assert list(p.stages) == ["download", "tokenize", "pack", "train", "checkpoint", "both",
                               "evaluate"]
     s = p.stages
@@ -371,3 +373,37 @@ def test_set_duplicate_upstream_and_through_list(plugins, tmp_path):
         "--set:1:30: stage 'tokenize' is listed twice in 'after'",
         "--set:2:20: --set path goes through 'stages.train.after', which is a list, "
         "not a mapping"]
+
+
+def test_relative_paths_resolve_against_the_pipeline_files_directory(tmp_path, monkeypatch):
+    """The default pipeline loaded from the repo root and from elsewhere, by an absolute or a
+    relative name, reads the same files and writes to the same run dir; nothing appears in the
+    other directory."""
+    builtin = PluginManager()
+    path = REPO / "pipelines" / "online_train.yaml"
+    seen = set()
+    for cwd in (REPO, tmp_path):
+        monkeypatch.chdir(cwd)
+        for name in (str(path), os.path.relpath(path)):
+            p = load_pipeline(name, builtin)
+            seen.add((p.run_dir, p.stages["download"].config.source,
+                      p.stages["train"].config.heldout, p.stages["checkpoint"].config.dest))
+    data = REPO / "pipelines" / "data" / "default"
+    assert seen == {(str(REPO / "runs" / "online_train"), str(data / "train-*.jsonl"),
+                     str(data / "heldout.jsonl"), None)}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_set_paths_resolve_against_the_current_directory(tmp_path, monkeypatch):
+    """A path typed with --set is relative to where it is typed; URLs, ~ and absolute paths
+    stay as written, in a list too."""
+    monkeypatch.chdir(tmp_path)
+    p = load_pipeline(REPO / "pipelines" / "online_train.yaml", PluginManager(), [
+        "run_dir=out/run", "stages.train.params.heldout=h.jsonl",
+        "stages.checkpoint.params.dest=s3://bucket/drafter",
+        "stages.download.params.source=[a/*.jsonl, 's3://b/*.jsonl', /abs/x.jsonl, ~/y.jsonl]"])
+    assert p.run_dir == str(tmp_path / "out" / "run")
+    assert p.stages["train"].config.heldout == str(tmp_path / "h.jsonl")
+    assert p.stages["checkpoint"].config.dest == "s3://bucket/drafter"
+    assert p.stages["download"].config.source == [str(tmp_path / "a" / "*.jsonl"), "s3://b/*.jsonl",
+                                                  "/abs/x.jsonl", "~/y.jsonl"]

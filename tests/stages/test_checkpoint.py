@@ -52,10 +52,10 @@ class LatestWatcher(threading.Thread):
 def test_upload_through_faults_and_latest_always_complete(tmp_path: Path, target: Path, s3_env,
                                                           fault_proxy) -> None:
     """Checkpoints every 4 steps of a 12-step run go to ``s3://bucket/drafter/`` through a proxy
-    failing 25% of requests (5xx or dropped connections); the run completes, every
-    checkpoint is on S3 with the same bytes as the local one, and ``latest.json`` on S3 —
-    written with the dest's storage_options like the files — names a checkpoint whose files
-    are all present whenever it is read."""
+    failing 25% of requests (5xx or dropped connections); the run completes, the checkpoints
+    keep_last keeps are on S3 with the same bytes as the local ones and the older one is gone,
+    and ``latest.json`` on S3 — written with the dest's storage_options like the files — names
+    a checkpoint whose files are all present whenever it is read."""
     s3 = s3_env.fs()
     s3.mkdir("bucket")
     run_dir = tmp_path / "run"
@@ -84,9 +84,10 @@ def test_upload_through_faults_and_latest_always_complete(tmp_path: Path, target
     assert not any(watcher.seen.values()), (
         f"latest.json named an incomplete checkpoint: {watcher.seen}")
     assert names[-1] in watcher.seen
-    for name in names:  # nothing pruned on the destination
+    for name in names[-2:]:  # keep_last 2 on the destination too
         for f in CKPT_FILES:
             assert s3.exists(f"bucket/drafter/{name}/{f}"), f"{name}/{f} missing on S3"
+    assert s3.find(f"bucket/drafter/{names[0]}") == []
     local = run_dir / "checkpoints" / names[-1]
     for f in (*CKPT_FILES, "metrics.jsonl"):
         assert s3.cat_file(f"bucket/drafter/{names[-1]}/{f}") == (local / f).read_bytes(), f

@@ -184,3 +184,29 @@ def test_config_validation():
         DownloadConfig(source="")
     with pytest.raises(ValueError):
         DownloadConfig(source=["s3://a/b"], workers=0)
+
+
+def test_top_level_storage_options_reach_every_stage(tmp_path, s3_env, small_bucket):
+    """One ``storage_options:`` at the top of the pipeline file: the download stage fetches from
+    the moto endpoint with it, the checkpoint stage uploads with it, a stage's own replaces it."""
+    from dflash_core.pipeline_file import load_pipeline
+    from dflash_core.plugins import PluginManager
+    from dflash_core.runner import Runner
+    from tests.conftest import REPO
+
+    pm = PluginManager()
+    path = tmp_path / "p.yaml"
+    path.write_text(f"version: 1\nrun_dir: run\nstorage_options: {{endpoint_url: '{s3_env.endpoint_url}'}}\n"
+                    "stages:\n  download: {uses: fsspec, params: {source: 's3://data/completions/*.jsonl'}}\n")
+    results = Runner(load_pipeline(path, pm), pm).run()
+    assert results["download"].status == "done" and results["download"].items == 3
+
+    top = "storage_options={client_kwargs: {endpoint_url: 'https://s3.example.com'}}"
+    p = load_pipeline(REPO / "pipelines" / "s3_example.yaml", pm, [top], check_devices=False)
+    opts = {"client_kwargs": {"endpoint_url": "https://s3.example.com"}}
+    assert p.stages["download"].config.storage_options == opts
+    assert p.stages["checkpoint"].config.storage_options == opts
+    p = load_pipeline(REPO / "pipelines" / "s3_example.yaml", pm,
+                      [top, "stages.checkpoint.params.storage_options={anon: true}"], check_devices=False)
+    assert p.stages["download"].config.storage_options == opts
+    assert p.stages["checkpoint"].config.storage_options == {"anon": True}

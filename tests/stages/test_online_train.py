@@ -174,18 +174,25 @@ def assert_same_train_state(a_ckpt: Path, b_ckpt: Path, note: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------- learning
-def test_short_run_learns_and_exports(tmp_path: Path, target: Path) -> None:
+def test_short_run_learns_and_exports(tmp_path: Path, target: Path, monkeypatch) -> None:
     """60 steps of 2 rows: the last logged loss window is < 0.5 x the first and tau_sim rises
     by >= 0.5 (measured: loss ~17.5 -> ~2.4, tau_sim 1.0 -> ~2.1); the final export loads with
-    ``load_drafter`` and its config.json carries the ``dflash_pipe`` metadata."""
+    ``load_drafter`` and its config.json carries the ``dflash_pipe`` metadata, with absolute
+    paths although the file writes them relative to itself and the run starts elsewhere."""
     from dflash_core.drafter import load_drafter
 
     run_dir = tmp_path / "run"
+    (tmp_path / "heldout.jsonl").write_text("")
     path = write(tmp_path / "p.yaml", online_pipeline(
-        run_dir, target, pack=dict(rows=120, tokens_per_row=64),
-        train=dict(TRAIN, lr=2e-2, num_anchors=32, rows_per_step=2, total_steps=200),
+        "run", target, pack=dict(rows=120, tokens_per_row=64),
+        train=dict(TRAIN, lr=2e-2, num_anchors=32, rows_per_step=2, total_steps=200,
+                   heldout="heldout.jsonl"),
         checkpoint=dict(every_steps=1000)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     results = run_in_process(path)
+    assert list(elsewhere.iterdir()) == []
     assert all(r.status == "done" for r in results.values()), results
     log = metrics(run_dir)
     assert [m["step"] for m in log] == list(range(10, 61, 10))
@@ -208,6 +215,8 @@ def test_short_run_learns_and_exports(tmp_path: Path, target: Path) -> None:
     config = json.loads((ckpt / "export" / "config.json").read_text())
     meta = config["dflash_pipe"]
     assert meta["target"] == str(target) and meta["step"] == 60
+    assert meta["metrics"] == str(run_dir / "metrics.jsonl")
+    assert meta["heldout"] == str(tmp_path / "heldout.jsonl")
     assert config["dflash_config"]["mask_token_id"] == 5999
     assert config["dflash_config"]["target_layer_ids"] == [0, 1, 2]
 
