@@ -182,6 +182,10 @@ class Trainer:
         if micro:  # a last partial step still trains on the rows it has
             grad_norm, lr = self._optimizer_step(total)
             self.step += 1
+        if not self.step:  # a drafter that never stepped would be exported as if trained
+            raise ValueError("train: no feature rows reached it, so no optimizer step was taken; "
+                             "the upstream stages kept nothing (see their counts: tokenize's "
+                             "samples_out, pack's rows)")
         if window:
             self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
