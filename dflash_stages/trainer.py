@@ -267,7 +267,7 @@ class Trainer:
                   "per_slot_acc": [round(a, 4) for a in window[-1]["per_slot_acc"].tolist()]}
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
-        shown = ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
+        shown = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")  # step: trackers' x axis
         self.ctx.emit({"type": "metrics", **{k: record[k] for k in shown}})
         if self.ctx.rank == 0:
             append_metrics(self.metrics_file, record)
