@@ -3,85 +3,99 @@
 Stages report with ``ctx.progress(advance, total=, unit=, **counters)``; every counter gets a
 rate (``tokens`` -> tokens/s), and the runner adds the fill of each stream queue, which is
 how a user sees which stage is the bottleneck (a full queue in front of a stage = that stage).
+
+Every display keeps one ``rich.progress`` task per stage, added in pipeline order before any
+stage starts, so rows keep that order; rich measures the rates and the time remaining
+(``progress_columns.py`` says what each column shows).
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
+from rich.progress import BarColumn, Progress, Task, TaskID, TextColumn, TimeElapsedColumn
+
+from dflash_core.progress_columns import (ACTIVE, CountColumn, ETAColumn, FieldColumn, RateColumn,
+                                          fmt)
 
 PLAIN_INTERVAL_S = 10.0
-
-
-@dataclass
-class _StageLine:
-    started: float = field(default_factory=time.time)
-    done: int = 0
-    start: int = 0
-    """Of ``done``, what an earlier run did (a resumed run): left out of the rate and ETA."""
-    total: int | None = None
-    unit: str = "items"
-    counters: dict[str, float] = field(default_factory=dict)
-    status: str = "running"
-    metrics: dict[str, Any] = field(default_factory=dict)
-    last_plain: float = 0.0
-
-    def rate_text(self) -> str:
-        elapsed = max(time.time() - self.started, 1e-6)
-        now = self.done - self.start
-        parts = [f"{self.done:,}{'/' + format(self.total, ',') if self.total else ''} {self.unit}",
-                 f"{now / elapsed:,.1f} {self.unit}/s"]
-        for name, value in self.counters.items():
-            parts.append(f"{value / elapsed:,.0f} {name}/s")
-        if self.total and now > 0:
-            eta = elapsed * (self.total - self.done) / now
-            parts.append(f"ETA {eta:,.0f}s")
-        return "  ".join(parts)
+SHOWN_METRICS = 6
 
 
 class Display:
-    """Receives runner callbacks; subclasses decide how to show them."""
+    """Receives runner callbacks into rich tasks; subclasses decide how to show them."""
 
-    def __init__(self, console: Console | None = None, stream: TextIO | None = None) -> None:
-        self.console = console or Console(file=stream or sys.stdout)
-        self.lines: dict[str, _StageLine] = {}
-        self.queue_fill: dict[str, tuple[int, int]] = {}
+    live = False
+
+    def __init__(self, stages: Sequence[str] = (), console: Console | None = None,
+                 get_time: Callable[[], float] | None = None) -> None:
+        self.console = console or Console()
+        self.count, self.rate, self.eta = CountColumn(), RateColumn(), ETAColumn(compact=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"), FieldColumn("status"), BarColumn(bar_width=12),
+            self.count, self.rate, self.eta, TimeElapsedColumn(), FieldColumn("queue"),
+            FieldColumn("metrics"), console=self.console, refresh_per_second=4,
+            get_time=get_time, disable=not self.live)
+        self.tasks: dict[str, TaskID] = {}
+        for stage in stages:
+            self.task(stage)
+
+    def task(self, stage: str) -> Task:
+        """The stage's task (a stage the runner did not announce gets a row at the end)."""
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(
+                stage, start=False, total=None, status="pending", unit="items", counters={},
+                queue="", metrics="")
+        return self._get(self.tasks[stage])
+
+    def _get(self, tid: TaskID) -> Task:
+        return next(t for t in self.progress.tasks if t.id == tid)
 
     def stage_started(self, stage: str) -> None:
-        self.lines[stage] = _StageLine()
+        self.task(stage)
+        self.progress.start_task(self.tasks[stage])
+        self.progress.update(self.tasks[stage], status=ACTIVE)
 
     def event(self, stage: str, event: dict[str, Any]) -> None:
-        line = self.lines.setdefault(stage, _StageLine())
+        task = self.task(stage)
         kind = event.get("type")
         if kind == "progress":
-            line.done += int(event.get("advance", 0))
-            line.unit = event.get("unit", line.unit)
-            if "total" in event:
-                line.total = int(event["total"])
-            if "start" in event:
-                line.done += int(event["start"]) - line.start
-                line.start = int(event["start"])
+            if "start" in event:  # a resumed run: what an earlier run did counts, but not as a rate
+                self.progress.reset(task.id, completed=int(event["start"]), total=task.total,
+                                    start_count=int(event["start"]))
+            counters = task.fields["counters"]
             for key, value in event.items():
-                if (key not in ("type", "advance", "unit", "total", "start")
-                        and isinstance(value, (int, float))):
-                    line.counters[key] = line.counters.get(key, 0.0) + value
+                if key in ("type", "advance", "unit", "total", "start") or not isinstance(value, (int, float)):
+                    continue
+                if key not in counters:
+                    counters[key] = self._get(self.progress.add_task(key, total=None, visible=False))
+                    counters[key].start_time = task.start_time  # rates over the same time
+                self.progress.advance(counters[key].id, value)
+            self.progress.update(task.id, advance=int(event.get("advance", 0)),
+                                 unit=event.get("unit", task.fields["unit"]),
+                                 **({"total": int(event["total"])} if "total" in event else {}))
         elif kind == "metrics":
-            line.metrics = {k: v for k, v in event.items() if k != "type"}
+            shown = [(k, v) for k, v in event.items() if k != "type"][:SHOWN_METRICS]
+            self.progress.update(task.id, metrics="  ".join(f"{k}={fmt(v)}" for k, v in shown))
         elif kind == "log":
             self.console.print(f"[{stage}] {event.get('message', '')}", markup=False)
 
     def stage_done(self, stage: str, status: str, result: Any) -> None:
-        line = self.lines.setdefault(stage, _StageLine())
-        line.status = status
+        task = self.task(stage)
+        for t in (task, *task.fields["counters"].values()):
+            self.progress.stop_task(t.id)  # freezes elapsed time, so the rates stay put
+        if not task.completed:  # cached, or reported no progress: count what it yielded
+            self.progress.update(task.id, completed=result.items)
+        if task.total is None:
+            self.progress.update(task.id, total=task.completed)
+        self.progress.update(task.id, status=status)
 
     def queues(self, fill: dict[str, tuple[int, int]]) -> None:
-        self.queue_fill = fill
+        for stage, tid in self.tasks.items():
+            into = [f"{f}/{b}" for link, (f, b) in fill.items() if link.endswith(f"->{stage}")]
+            self.progress.update(tid, queue=" ".join(into))
 
     def close(self) -> None:
         """Stop any live rendering."""
@@ -90,80 +104,59 @@ class Display:
 class PlainDisplay(Display):
     """For logs and CI: one line per stage event of note, progress at most every 10 s."""
 
+    def __init__(self, stages: Sequence[str] = (), console: Console | None = None,
+                 get_time: Callable[[], float] | None = None) -> None:
+        super().__init__(stages, console, get_time)
+        self.printed: dict[str, float] = {}
+
+    def _print(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
     def stage_started(self, stage: str) -> None:
         super().stage_started(stage)
-        self.console.print(f"[{stage}] started", highlight=False, markup=False)
+        self._print(f"[{stage}] started")
 
     def event(self, stage: str, event: dict[str, Any]) -> None:
         super().event(stage, event)
-        line = self.lines[stage]
-        now = time.time()
-        if event.get("type") in ("progress", "metrics") and now - line.last_plain >= PLAIN_INTERVAL_S:
-            line.last_plain = now
-            metrics = "  ".join(f"{k}={_fmt(v)}" for k, v in line.metrics.items())
-            self.console.print(f"[{stage}] {line.rate_text()}  {metrics}".rstrip(), highlight=False,
-                               markup=False)
+        now = self.progress.get_time()
+        if (event.get("type") in ("progress", "metrics")
+                and now - self.printed.get(stage, -PLAIN_INTERVAL_S) >= PLAIN_INTERVAL_S):
+            self.printed[stage] = now
+            task = self.task(stage)
+            parts = [col.render(task).plain for col in (self.count, self.rate, self.eta)]
+            self._print(f"[{stage}] " + "  ".join(p for p in (*parts, task.fields["metrics"]) if p))
 
     def stage_done(self, stage: str, status: str, result: Any) -> None:
         super().stage_done(stage, status, result)
         took = f" in {result.ended - result.started:.1f}s" if result.ended and result.started else ""
-        self.console.print(f"[{stage}] {status}{took} ({result.items:,} items)", highlight=False,
-                           markup=False)
+        self._print(f"[{stage}] {status}{took} ({result.items:,} items)")
 
 
 class RichDisplay(Display):
-    """A live table: one row per stage, with rates, metrics and the queue feeding it."""
+    """The live table: one row per stage, with rates, metrics and the queue feeding it.
+    While it is up, libraries' own progress bars are off and their log lines print above it."""
 
-    def __init__(self, console: Console | None = None) -> None:
-        super().__init__(console)
-        self.live = Live(self._table(), console=self.console, refresh_per_second=4,
-                         transient=False)
-        self.live.start()
+    live = True
 
-    def _table(self) -> Table:
-        table = Table(box=None, pad_edge=False)
-        for col in ("stage", "status", "progress", "in-queue", "metrics"):
-            table.add_column(col)
-        for stage, line in self.lines.items():
-            fill = [f"{f}/{b}" for name, (f, b) in self.queue_fill.items()
-                    if name.endswith(f"->{stage}")]
-            metrics = "  ".join(f"{k}={_fmt(v)}" for k, v in list(line.metrics.items())[:6])
-            table.add_row(stage, line.status, line.rate_text(), " ".join(fill), metrics)
-        return table
+    def __init__(self, stages: Sequence[str] = (), console: Console | None = None,
+                 get_time: Callable[[], float] | None = None) -> None:
+        from dflash_core.quiet_libraries import quiet_libraries
 
-    def _refresh(self) -> None:
-        self.live.update(self._table())
-
-    def stage_started(self, stage: str) -> None:
-        super().stage_started(stage)
-        self._refresh()
-
-    def event(self, stage: str, event: dict[str, Any]) -> None:
-        super().event(stage, event)
-        self._refresh()
-
-    def stage_done(self, stage: str, status: str, result: Any) -> None:
-        super().stage_done(stage, status, result)
-        self._refresh()
-
-    def queues(self, fill: dict[str, tuple[int, int]]) -> None:
-        super().queues(fill)
-        self._refresh()
+        super().__init__(stages, console, get_time)
+        self.progress.start()
+        self.quiet = quiet_libraries()
+        self.quiet.__enter__()  # after start: the live display has redirected stdout/stderr
 
     def close(self) -> None:
-        self.live.stop()
+        self.quiet.__exit__(None, None, None)
+        self.progress.stop()
 
 
-def make_display(quiet: bool = False) -> Display:
-    """Rich on a terminal, plain lines when stdout is not a TTY, counting only when quiet."""
+def make_display(stages: Sequence[str] = (), quiet: bool = False) -> Display:
+    """Rich on a terminal, plain lines when stdout is not a TTY, counting only when quiet;
+    ``stages`` in pipeline order."""
     if quiet:
-        return Display(Console(quiet=True))
+        return Display(stages, Console(quiet=True))
     if sys.stdout.isatty():
-        return RichDisplay()
-    return PlainDisplay()
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+        return RichDisplay(stages)
+    return PlainDisplay(stages)

@@ -23,7 +23,8 @@ from typing import Any, Iterator, Literal, Mapping
 
 from dflash_core.stage import Stage, StageContext
 from dflash_core.artifacts import write_json
-from dflash_stages.tokenize_output import ShardWriter, check_invariant, join, merge, new_stats, stats_table
+from dflash_stages.tokenize_output import (ShardWriter, check_invariant, check_some_kept, join, merge,
+                                           new_stats, stats_table)
 
 __all__ = ["ChatTemplateTokenize", "TokenizeConfig", "stats_table"]
 
@@ -168,6 +169,7 @@ class ChatTemplateTokenize(Stage):
                         "%d tokens, %d supervised", stats["records_in"], stats["samples_out"],
                         stats["filtered_total"], stats["quarantined_total"], stats["tokens"],
                         stats["loss_tokens"])
+        check_some_kept(stats, join(ctx.work_dir, "quarantine.jsonl"))
 
     @staticmethod
     def _batches(items: list[dict], cfg: TokenizeConfig, stats: dict

@@ -130,6 +130,24 @@ def check_invariant(stats: dict) -> None:
             f" + filtered ({stats['filtered_total']}) + quarantined ({stats['quarantined_total']})")
 
 
+def check_some_kept(stats: dict, quarantine: str) -> None:
+    """Refuse to finish without a sample: downstream would train nothing and the run would look
+    like a success. The message names the commonest reasons and where the rejected records are."""
+    if stats["samples_out"]:
+        return
+    if not stats["records_in"]:
+        raise ValueError(f"tokenize: the {stats['files']} input file(s) hold no records "
+                         f"({stats['blank_lines']} blank lines)")
+    reasons = {**stats["filtered"], **stats["quarantined"]}
+    top = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    more = f", {len(reasons) - len(top)} more reason(s)" if len(reasons) > len(top) else ""
+    raise ValueError(
+        f"tokenize: none of the {stats['records_in']:,} records became a sample "
+        f"({stats['quarantined_total']:,} quarantined, {stats['filtered_total']:,} filtered); "
+        f"top reasons: {', '.join(f'{r} {n:,}' for r, n in top)}{more}; "
+        f"quarantined records with their reasons: {quarantine}")
+
+
 def stats_table(stats: dict) -> Any:
     """The stats record as a rich table (records, reasons, tokens, supervised-token histogram)."""
     from rich.table import Table

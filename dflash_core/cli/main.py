@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as exc:
         if args.traceback and exc.tb:
             err_console.print(exc.tb, markup=False)
-        err_console.print(f"error: {exc}", markup=False)
+        err_console.print(f"error: {exc}", markup=False, soft_wrap=True)  # paths stay whole
         return EXIT_FAILED
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -54,7 +54,7 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     if args.dry_run:
         print_plan(runner)
         return EXIT_OK
-    display = make_display(quiet=args.quiet)
+    display = make_display(runner.selected(), quiet=args.quiet)
     runner.display = display
     start = time.time()
     stopped: Interrupted | None = None

@@ -80,11 +80,12 @@ def test_only_bad_and_empty_inputs(tmp_path: Path, qwen3_dir: str) -> None:  # n
     d.mkdir()
     shutil.copy(DATA / "empty.jsonl", d / "empty.jsonl")
     (d / "bad.jsonl").write_text("nope\n\n[]\n")
-    out, ctx, rows = run_stage(tmp_path, [_item(d / "empty.jsonl"), _item(d / "bad.jsonl")],
-                               tokenizer=qwen3_dir)
-    assert out == [] and rows == []
-    assert (ctx.summary["records_in"], ctx.summary["quarantined_total"]) == (2, 2)
-    assert (tmp_path / "out" / "stats.json").exists()
+    with pytest.raises(ValueError, match="none of the 2 records became a sample"):
+        run_stage(tmp_path, [_item(d / "empty.jsonl"), _item(d / "bad.jsonl")], tokenizer=qwen3_dir)
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())  # written for the user to read
+    assert (stats["records_in"], stats["quarantined_total"]) == (2, 2)
+    with pytest.raises(ValueError, match=r"the 1 input file\(s\) hold no records"):
+        run_stage(tmp_path, [_item(d / "empty.jsonl")], "empty", tokenizer=qwen3_dir)
 
 
 def test_invariant_violation_raises() -> None:

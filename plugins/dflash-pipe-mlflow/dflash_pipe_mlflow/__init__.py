@@ -1,0 +1,1 @@
+"""dflash-pipe plugin that logs metrics to MLflow (see plugin.py)."""
