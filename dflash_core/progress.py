@@ -64,7 +64,7 @@ class Display:
         if kind == "progress":
             if "start" in event:  # a resumed run: what an earlier run did counts, but not as a rate
                 self.progress.reset(task.id, completed=int(event["start"]), total=task.total,
-                                    start_count=int(event["start"]))
+                                    **{**task.fields, "start_count": int(event["start"])})
             counters = task.fields["counters"]
             for key, value in event.items():
                 if key in ("type", "advance", "unit", "total", "start") or not isinstance(value, (int, float)):

@@ -37,7 +37,7 @@ def test_total_steps_stops_training_and_spans_the_schedule(tmp_path: Path, targe
     path = write(tmp_path / "p.yaml", online_pipeline(
         run_dir, target, pack=dict(rows=60, tokens_per_row=64), train=params,
         checkpoint=dict(every_steps=1000)))
-    display = Display(Console(quiet=True))
+    display = Display(console=Console(quiet=True))
     results = run_in_process(path, display=display)
     assert all(r.status == "done" for r in results.values()), results
     log = metrics(run_dir)
@@ -47,8 +47,8 @@ def test_total_steps_stops_training_and_spans_the_schedule(tmp_path: Path, targe
     assert log[-1]["lr"] < 0.2 * cfg.lr  # the cosine is near its end, not at 6/60 of it
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text()) == {
         "name": "step-0000006", "step": 6, "final": True}
-    line = display.lines["train"]
-    assert (line.done, line.total) == (6, 6)
+    task = display.task("train")
+    assert (task.completed, task.total) == (6, 6)
     assert results["pack"].items < 60
 
 
