@@ -66,6 +66,7 @@ class HFHooksExtract(Stage):
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
 
+        from dflash_stages import packed_attention
         from dflash_stages.packed_attention import resolve_attn_implementation
         from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
 
@@ -80,6 +81,9 @@ class HFHooksExtract(Stage):
         compiled = compile_wanted(cfg.compile, device)
         if compiled:
             compile_layers(model)
+        # packed_flex runs a compiled flex_attention even with the layers left eager: its first call
+        # at a length compiles, and must not overlap another stage's compile in this process
+        gated = compiled or attn == packed_attention.NAME
         capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
         ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model, n_layers,
                         ids, attn, ", compiled layers" if compiled else "")
@@ -88,7 +92,7 @@ class HFHooksExtract(Stage):
         rows = tokens = 0
         for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                with GATE.call(ctx.stage, len(row["input_ids"]), compiled):  # a new length may compile
+                with GATE.call(ctx.stage, len(row["input_ids"]), gated):  # a new length may compile
                     feats, last = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()

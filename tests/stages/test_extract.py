@@ -141,3 +141,19 @@ def test_rows_without_the_trainer_fields_are_refused_naming_the_packer(target: P
     with pytest.raises(RowError, match="stage 'extract' got a packed row from stage 'my_pack' without "
                                        "'epochs', 'rows_per_epoch'"):
         list(stage.run({"rows": [row]}, ctx))
+
+
+def test_packed_flex_calls_go_through_the_compile_gate_with_eager_layers(target: Path, tmp_path: Path) -> None:
+    """packed_flex compiles its flex_attention on CUDA even with ``compile: off``: the first call at
+    a length must run alone (a compile overlapping another stage's in the process fails the run)."""
+    from dflash_core.compile_gate import GATE
+
+    rng = np.random.default_rng(4)
+    rows = [packed_row([rng.integers(0, 5999, 20), rng.integers(0, 5999, 12)])]
+    stage = HFHooksExtract(ExtractConfig(model=str(target), layers=LAYERS, compile="off",
+                                         attn_implementation="packed_flex"))
+    ctx = StageContext(stage="extract-gated", config=stage.config, device="cpu", run_dir=str(tmp_path),
+                       work_dir=str(tmp_path), cache_dir=str(tmp_path))
+    assert not GATE.is_warm("extract-gated", 32)
+    list(stage.run({"rows": rows}, ctx))
+    assert GATE.is_warm("extract-gated", 32) and not GATE.is_warm("extract-gated", 33)
