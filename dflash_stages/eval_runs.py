@@ -56,10 +56,11 @@ def mean_tau(accepted: Sequence[int]) -> float:
 
 def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, block_size: int,
                max_new_tokens: int, layer_ids: Sequence[int] | None, eos: set[int], batch_size: int,
-               batch_drafter: Callable | None = None, progress: Callable[[int], None] | None = None) -> DecodeRun:
+               batch_drafter: Callable | None = None,
+               progress: Callable[[list[DecodeResult]], None] | None = None) -> DecodeRun:
     """Speculative decoding of every prompt: ``batch_size`` prompts per target forward on dense
     targets (``batch_drafter`` drafts a batch at once, else ``drafter`` one by one), one by one on
-    hybrid targets. ``progress(n)`` after every n prompts done."""
+    hybrid targets. ``progress(results so far)`` after each batch."""
     from dflash_stages.spec_batch import one_by_one, speculative_decode_batch, supports_batch
 
     t0 = time.perf_counter()
@@ -70,12 +71,12 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
             results += speculative_decode_batch(target, chunk, batch_drafter or one_by_one(drafter), block_size,
                                                 max_new_tokens, layer_ids, eos)
             if progress:
-                progress(len(chunk))
+                progress(results)
     else:
         for p in prompts:
             results.append(speculative_decode(target, p, drafter, block_size, max_new_tokens, layer_ids, eos))
             if progress:
-                progress(1)
+                progress(results)
     _sync(target)
     return DecodeRun(results, time.perf_counter() - t0)
 

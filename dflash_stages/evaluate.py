@@ -109,12 +109,10 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     eos = _eos_set(eos_token_id)
     tol = tie_tolerance if tie_tolerance is not None else TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4)
     refs, ref_s = reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
-    done: list[int] = []
-
-    def advance(n: int) -> None:
-        done.append(n)
+    def advance(results: list[Any]) -> None:
         if progress is not None:
-            progress(sum(done), len(prompts), None)
+            accepted = [a for r in results for a in r.accepted]
+            progress(len(results), len(prompts), (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
 
     run = decode_all(target, prompts, dflash_drafter(drafter, embed, head), B, max_new_tokens, layer_ids, eos,
                      batch_size, dflash_batch_drafter(drafter, embed, head), advance)
@@ -246,11 +244,11 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     ``loaded_target`` = an already loaded (model, tokenizer) to reuse. Does not raise on a lossless
     failure: check ``report["lossless"]``.
     """
-    from dflash_core.drafter import load_drafter, read_export_config
+    from dflash_core.drafter import load_drafter
     from dflash_stages.target import load_target, resolve_dtype
 
     t_start = time.perf_counter()
-    cfg = read_export_config(export)
+    cfg = _export_config(export)
     meta = dict(cfg.get("dflash_pipe") or {})
     target_ref = target or meta.get("target")
     if loaded_target is None:
@@ -297,6 +295,25 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
 
         report["files"] = write_outputs(report, out_dir, records if plot else None, plot=plot)
     return report
+
+
+def _export_config(export: str) -> dict[str, Any]:
+    """The export's config.json, or an error that says what an export directory holds."""
+    from dflash_core.drafter import read_export_config
+
+    try:
+        cfg = read_export_config(export)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, json.JSONDecodeError) as exc:
+        cfg, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"its config.json has architectures {cfg.get('architectures')}"
+    if cfg is None or "DFlashDraftModel" not in (cfg.get("architectures") or []):
+        raise EvaluationError(
+            f"{export} is not an exported drafter ({why}). An export directory holds config.json "
+            "(architectures [DFlashDraftModel], dflash_config), model.safetensors and modeling_dflash.py; "
+            "the checkpoint stage writes one per checkpoint at RUN_DIR/checkpoints/step-NNNNNNN/export "
+            "(the run's summary prints the latest)")
+    return cfg
 
 
 def _tokenizer(meta: Mapping[str, Any], target_ref: str | None, tok: Any) -> Any:

@@ -14,6 +14,9 @@ from typing import Any
 
 from dflash_core.cli.common import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, console, err_console
 
+CPU_PROMPTS = 8
+"""Prompts evaluated on the CPU unless --num-prompts says otherwise: a few minutes, not a quarter hour."""
+
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("evaluate", parents=[common],
@@ -21,7 +24,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("export", metavar="EXPORT_DIR", help="exported drafter directory (config.json + model.safetensors)")
     p.add_argument("--target", help="target model: path, hub name or 'smollm2' (default: recorded in the export)")
     p.add_argument("--prompts", help="JSONL of records (messages / prompt) (default: the run's held-out set)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"use the first N prompts (default: all on a GPU, {CPU_PROMPTS} on the CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--out", help="report directory (default: EXPORT_DIR/eval)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
@@ -46,12 +50,18 @@ def run(args: argparse.Namespace) -> int:
     if "://" in args.export and not args.out:
         out = os.path.join(".", "eval")
 
-    def progress(done: int, total: int, _tau: float | None) -> None:
+    num_prompts = args.num_prompts
+    if num_prompts is None and device == "cpu":
+        num_prompts = CPU_PROMPTS
+        err_console.print(f"on the CPU: the first {CPU_PROMPTS} prompts (--num-prompts N for more)", markup=False)
+
+    def progress(done: int, total: int, tau: float | None) -> None:
         if not getattr(args, "quiet", False):
-            err_console.print(f"speculative decoding: {done}/{total} prompts", markup=False)
+            err_console.print(f"speculative decoding: {done}/{total} prompts"
+                              + (f", τ so far {tau:.2f}" if tau is not None else ""), markup=False)
 
     try:
-        report = evaluate_export(args.export, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+        report = evaluate_export(args.export, target=args.target, prompts=args.prompts, num_prompts=num_prompts,
                                  max_new_tokens=args.max_new_tokens, device=device, dtype=args.dtype, out_dir=out,
                                  metrics=args.metrics, baseline=not args.no_baseline,
                                  gap_threshold=args.gap_threshold, progress=progress,

@@ -238,3 +238,21 @@ def test_stage_every_and_final(served, tmp_path):
     assert (tmp_path / "step-0000020" / "report.json").exists()
     assert {"tau", "tau_ngram", "tau_sim", "gap_flag", "lossless"} <= set(ctx.summary)
     assert SpecDecodeEvaluate.report(ctx.summary) is not None
+
+
+def test_cli_on_a_directory_that_is_not_an_export_says_what_one_holds(served, cli, tmp_path):
+    for wrong in (tmp_path, served["target"]):  # an empty directory; a model directory (config.json, no drafter)
+        r = cli("evaluate", wrong, "--device", "cpu")
+        assert r.code == 2
+        assert "is not an exported drafter" in r.text and "model.safetensors" in r.text
+        assert "checkpoints/step-NNNNNNN/export" in r.text
+
+
+def test_cli_on_cpu_takes_a_few_prompts_and_shows_tau_so_far(served, cli):
+    out = served["root"] / "eval_cpu"
+    r = cli("evaluate", served["export"], "--max-new-tokens", "6", "--device", "cpu", "--out", out,
+            "--batch-size", "2", "--no-baseline")
+    assert r.code == 0, r.text
+    assert "the first 8 prompts" in r.text
+    assert "speculative decoding: 2/3 prompts, τ so far" in r.text and "3/3 prompts" in r.text
+    assert json.loads((out / "report.json").read_text())["num_prompts"] == 3  # the file holds 3
