@@ -34,7 +34,8 @@ from dflash_stages.prompts import PromptError, record_messages, render_prompt
 
 SKIP_REASONS = {
     "invalid_utf8": "the line is not valid UTF-8",
-    "invalid_json": "the line is not a JSON object",
+    "invalid_json": "the line is not valid JSON",
+    "not_an_object": "the JSON value is not an object",
     "unknown_format": "neither 'messages', 'conversations' nor 'prompt'",
     "bad_messages": "'messages' / 'conversations' malformed",
     "empty": "no message with text besides the system prompt",
@@ -172,7 +173,7 @@ class HFGenerate(Stage):
                     if not raw.strip():
                         continue
                     try:
-                        record = _parse(raw)
+                        record = _parse(raw, line_no == 1)
                         messages = record_messages(record)
                         ids = render_prompt(tok, messages, cfg.thinking)
                         if len(ids) > cfg.max_prompt_tokens:
@@ -223,18 +224,14 @@ class HFGenerate(Stage):
                 f"skipped {sum(skipped.values())} {dict(sorted(skipped.items()))}")
 
 
-def _parse(raw: bytes) -> dict:
+def _parse(raw: bytes, first_line: bool) -> dict:
+    """The JSON object of one line, with tokenize's reasons for one that is not."""
+    from dflash_stages.tokenize_records import RecordError, parse_line
+
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PromptError("invalid_utf8", f"byte {exc.start}") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PromptError("invalid_json", str(exc)[:200]) from None
-    if not isinstance(record, dict):
-        raise PromptError("invalid_json", f"a JSON {type(record).__name__}, not an object")
-    return record
+        return parse_line(raw, first_line=first_line)[0]
+    except RecordError as exc:
+        raise PromptError(exc.reason, exc.detail) from None
 
 
 def _write_atomic(path: str, records: list[dict]) -> None:

@@ -12,16 +12,9 @@ import torch
 from dflash_stages.spec_batch import one_by_one, speculative_decode_batch
 from dflash_stages.spec_decode import DraftRequest, greedy_decode, ngram_drafter, oracle_drafter, speculative_decode
 from dflash_stages.target import FeatureCapture
-from tests.stages.test_evaluate import B, tiny_qwen3
+from tests.stages.test_evaluate import B, target  # noqa: F401 (the fixture)
 
 LAYERS = [0, 1]
-
-
-@pytest.fixture(scope="module")
-def target():
-    torch.set_num_threads(1)
-    return tiny_qwen3()
-
 
 @pytest.fixture(scope="module")
 def prompts():
