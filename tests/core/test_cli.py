@@ -240,7 +240,7 @@ def test_list_stages_of_an_unknown_kind_is_an_error(cli):
     res = cli("list-stages", "tokenise")
     assert res.code == 2, res.text
     assert res.err.startswith("error: unknown kind 'tokenise' (did you mean 'tokenize'?); kinds: "
-                              "checkpoint, download, evaluate, extract, pack, tokenize, train"), res.err
+                              "checkpoint, download, evaluate, extract, generate, pack, tokenize, train"), res.err
     assert res.out == ""
     res = cli("list-stages", "pack")
     assert res.code == 0 and res.lines_with("pack:best_fit") and not res.lines_with("train:dflash")
