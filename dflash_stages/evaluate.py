@@ -99,14 +99,14 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     """
     from dflash_stages.eval_runs import TIE_TOLERANCE, check_outputs, decode_all, reference_decode
     from dflash_stages.spec_batch import dflash_batch_drafter
-    from dflash_stages.spec_decode import _eos_set, dflash_drafter, ngram_drafter
+    from dflash_stages.spec_decode import eos_set, dflash_drafter, ngram_drafter
     from dflash_stages.target import embeddings_and_head
 
     B = drafter.block_size
     layer_ids = list(drafter.config.target_layer_ids)
     embed, head = embeddings_and_head(target)
     _check_shapes(target, drafter, embed)
-    eos = _eos_set(eos_token_id)
+    eos = eos_set(eos_token_id)
     tol = tie_tolerance if tie_tolerance is not None else TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4)
     refs, ref_s = reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
     def advance(results: list[Any]) -> None:

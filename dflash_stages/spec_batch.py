@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dflash_stages import spec_cache, spec_decode
-from dflash_stages.spec_decode import DecodeResult, Drafter, DraftRequest, _eos_set, _forward_kwargs, _new_cache
+from dflash_stages.spec_decode import DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache
 from dflash_stages.target import FeatureCapture
 
 BatchDrafter = Callable[[list[DraftRequest]], list[Sequence[int]]]
@@ -56,14 +56,14 @@ def dflash_batch_drafter(drafter: nn.Module, embed_weight: torch.Tensor, lm_head
 
 def supports_batch(model: nn.Module) -> bool:
     """Whether the target's cache can be masked instead of cropped (no linear-attention state)."""
-    return not spec_cache.linear_state_layers(_new_cache(model))
+    return not spec_cache.linear_state_layers(new_cache(model))
 
 
 @torch.no_grad()
 def _forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: Any,
              capture: FeatureCapture | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits [R, W, V], features [R, W, k*H] or None) of W new slots per row; ``valid`` [R, S+W]."""
-    cache_arg, takes_cache_position = _forward_kwargs(model)
+    cache_arg, takes_cache_position = forward_kwargs(model)
     kw: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "attention_mask": valid.long(),
                           cache_arg: cache, "use_cache": True}
     if takes_cache_position:  # slots, not positions: the cache is indexed by slot
@@ -85,12 +85,12 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
     if not supports_batch(model):
         raise ValueError("a target with linear-attention layers cannot be decoded in a batch: "
                          "use spec_decode.speculative_decode per prompt")
-    eos = _eos_set(eos_token_id)
+    eos = eos_set(eos_token_id)
     if capture is None and layer_ids is not None:
         capture = FeatureCapture(model, layer_ids)
     dev = next(model.parameters()).device
     R, P = len(prompts), max(len(p) for p in prompts)
-    cache = _new_cache(model)
+    cache = new_cache(model)
     ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
     valid = torch.zeros((R, P), dtype=torch.bool, device=dev)
     for r, p in enumerate(prompts):

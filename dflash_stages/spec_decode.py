@@ -94,7 +94,7 @@ class DecodeResult:
 
 # --------------------------------------------------------------------------- target forwards
 
-def _new_cache(model: nn.Module) -> Any:
+def new_cache(model: nn.Module) -> Any:
     from transformers import DynamicCache
 
     try:
@@ -103,7 +103,7 @@ def _new_cache(model: nn.Module) -> Any:
         return DynamicCache()
 
 
-def _forward_kwargs(model: nn.Module) -> tuple[str, bool]:
+def forward_kwargs(model: nn.Module) -> tuple[str, bool]:
     """(name of the cache argument, whether ``cache_position`` is taken): transformers 5.24 renamed
     ``past_key_values`` to ``cache`` and dropped ``cache_position``; 5.17 has both old names."""
     import inspect
@@ -127,7 +127,7 @@ def _forward(model: nn.Module, ids: Sequence[int], start: int, cache: Any,
     dev = next(model.parameters()).device
     x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     pos = torch.arange(start, start + x.shape[1], device=dev)[None]
-    cache_arg, takes_cache_position = _forward_kwargs(model)
+    cache_arg, takes_cache_position = forward_kwargs(model)
     kw: dict[str, Any] = {"input_ids": x, "position_ids": pos, cache_arg: cache, "use_cache": True}
     if takes_cache_position:
         kw["cache_position"] = pos[0]
@@ -137,7 +137,7 @@ def _forward(model: nn.Module, ids: Sequence[int], start: int, cache: Any,
     return logits, feats[0]
 
 
-def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+def eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
     if eos_token_id is None:
         return set()
     if isinstance(eos_token_id, int):
@@ -158,8 +158,8 @@ def accepted_prefix(drafts: Sequence[int], target: Sequence[int]) -> int:
 def greedy_decode(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                   eos_token_id: int | Iterable[int] | None = None) -> list[int]:
     """The target's plain greedy decode, one token per forward with a KV cache (the reference)."""
-    eos = _eos_set(eos_token_id)
-    cache = _new_cache(model)
+    eos = eos_set(eos_token_id)
+    cache = new_cache(model)
     logits, _ = _forward(model, prompt_ids, 0, cache, None)
     out: list[int] = []
     pos = len(prompt_ids)
@@ -186,10 +186,10 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
     """
     if len(prompt_ids) == 0:
         raise ValueError("empty prompt")
-    eos = _eos_set(eos_token_id)
+    eos = eos_set(eos_token_id)
     if capture is None and layer_ids is not None:
         capture = FeatureCapture(model, layer_ids)
-    cache = _new_cache(model)
+    cache = new_cache(model)
     linear = spec_cache.linear_state_layers(cache)  # hybrid target: state to roll back by re-running
     tokens = [int(t) for t in prompt_ids]
     logits, feats = _forward(model, tokens, 0, cache, capture)
