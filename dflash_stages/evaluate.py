@@ -2,12 +2,14 @@
 
 For every (selected) checkpoint the export directory is loaded the way a server loads it
 (``load_drafter``: config.json + model.safetensors, nothing from the trainer's memory), the target
-runs greedy speculative decoding with it (``spec_decode.speculative_decode``: KV cache, one verify
-forward per block, features captured by hooks during that forward), and the report holds:
+runs greedy speculative decoding with it (``spec_batch``: a batch of prompts per verify forward on
+dense targets, ``spec_decode`` one prompt at a time on hybrid ones; KV cache, features captured by
+hooks during that forward), and the report holds:
 
 * τ — mean accepted drafts + 1 per cycle, its histogram, drafted vs accepted tokens;
-* the lossless check — every output equal, token for token, to the target's plain greedy decode
-  (a mismatch fails the stage / the command);
+* the lossless check — every output against the target's plain greedy decode (HF ``generate``),
+  judged at the first differing token: a near tie within the dtype's tolerance is reported, a wider
+  gap fails the stage / the command (``eval_runs``);
 * τ_ngram — the training-free prompt-lookup baseline through the same loop;
 * τ_sim — the same drafter on the same prompts + greedy completions, teacher-forced through the
   training code (``drafter_loss``); ``gap = (τ_sim − τ) / τ_sim``, flagged when |gap| > 10%:
