@@ -64,7 +64,8 @@ def _forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, valid
              capture: FeatureCapture | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits [R, W, V], features [R, W, k*H] or None) of W new slots per row; ``valid`` [R, S+W]."""
     cache_arg, takes_cache_position = forward_kwargs(model)
-    kw: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "attention_mask": valid.long(),
+    kw: dict[str, Any] = {"input_ids": ids, "position_ids": positions,
+                          "attention_mask": valid.to(ids.device, torch.long),
                           cache_arg: cache, "use_cache": True}
     if takes_cache_position:  # slots, not positions: the cache is indexed by slot
         kw["cache_position"] = torch.arange(valid.shape[1] - ids.shape[1], valid.shape[1], device=ids.device)
@@ -92,7 +93,7 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
     R, P = len(prompts), max(len(p) for p in prompts)
     cache = new_cache(model)
     ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
-    valid = torch.zeros((R, P), dtype=torch.bool, device=dev)
+    valid = torch.zeros((R, P), dtype=torch.bool)  # on the host; one copy per forward
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(list(p), device=dev)
         valid[r, :len(p)] = True
@@ -118,14 +119,17 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
         it = iter(proposed)
         drafts = [[int(t) for t in list(next(it))[:q.max_tokens]] if q.max_tokens > 0 else [] for q in reqs]
         W = 1 + max(len(d) for d in drafts)
-        block = torch.full((R, W), pad_id, dtype=torch.long, device=dev)
-        pos = torch.zeros((R, W), dtype=torch.long, device=dev)
-        new_valid = torch.zeros((R, W), dtype=torch.bool, device=dev)
+        # the block, its positions and its mask are built on the host and sent in one copy each:
+        # per-row writes into device tensors would cost a launch per row and cycle
+        block = [[pad_id] * W for _ in range(R)]
+        pos = [[0] * W for _ in range(R)]
+        new_valid = [[False] * W for _ in range(R)]
         for r, q, d in zip(rows, reqs, drafts):
-            block[r, :1 + len(d)] = torch.tensor([q.last_token] + d, device=dev)
-            pos[r] = q.last_position + torch.arange(W, device=dev)
-            new_valid[r, :1 + len(d)] = True
-        valid = torch.cat([valid, new_valid], 1)
+            block[r][:1 + len(d)] = [q.last_token] + d
+            pos[r] = list(range(q.last_position, q.last_position + W))
+            new_valid[r][:1 + len(d)] = [True] * (1 + len(d))
+        valid = torch.cat([valid, torch.tensor(new_valid)], 1)
+        block, pos = torch.tensor(block, device=dev), torch.tensor(pos, device=dev)
         logits, feats = _forward(model, block, pos, valid, cache, capture)
         target = logits.argmax(-1).tolist()
         for r, q, d in zip(rows, reqs, drafts):
