@@ -99,7 +99,8 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
         valid[r, :len(p)] = True
     logits, feats = _forward(model, ids, torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
     tokens = [[int(t) for t in p] for p in prompts]
-    ctx_feats: list[list[torch.Tensor]] = [[feats[r, :len(p)]] if feats is not None else [] for r, p in enumerate(prompts)]
+    ctx_feats: list[list[torch.Tensor]] = [[feats[r, :len(p)]] if feats is not None else []
+                                           for r, p in enumerate(prompts)]
     results = []
     for r, p in enumerate(prompts):
         first = int(logits[r, len(p) - 1].argmax())
