@@ -172,13 +172,19 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], refs: 
              layer_ids: list[int]) -> dict[str, Any]:
     """τ_sim teacher-forced on each prompt + greedy completion: at the served full blocks' anchors
     (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy)."""
-    from dflash_stages.spec_decode import teacher_forced_tau
+    import torch
 
+    from dflash_stages.spec_decode import teacher_forced_tau
+    from dflash_stages.target import FeatureCapture
+
+    capture = FeatureCapture(target, layer_ids)
+    dev = next(target.parameters()).device
     at, every = [], []
     for row, prompt, ref, res in zip(per_prompt, prompts, refs, results):
         anchors = [a for a, f in zip(res.anchors, res.full) if f]
-        sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, anchors=anchors)
-        sim_all = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids)
+        feats = capture.capture(torch.tensor([list(prompt) + list(ref)], device=dev))[0][0]  # one forward, two uses
+        sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, anchors=anchors, features=feats)
+        sim_all = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, features=feats)
         row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], sim_loss=sim_all["loss"])
         at.append(sim)
         every.append(sim_all)

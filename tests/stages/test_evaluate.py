@@ -256,3 +256,24 @@ def test_cli_on_cpu_takes_a_few_prompts_and_shows_tau_so_far(served, cli):
     assert "the first 8 prompts" in r.text
     assert "speculative decoding: 2/3 prompts, τ so far" in r.text and "3/3 prompts" in r.text
     assert json.loads((out / "report.json").read_text())["num_prompts"] == 3  # the file holds 3
+
+
+def test_tau_sim_from_given_features_equals_its_own_capture(target, prompts):
+    """evaluate captures a completion's features once for both anchor sets: the same τ_sim, loss and
+    accuracy as each call capturing them itself."""
+    from dflash_core.drafter import DFlashDrafter
+    from dflash_stages.spec_decode import teacher_forced_tau
+    from dflash_stages.target import embeddings_and_head
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(target.config, num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=126)
+    drafter.reset_parameters(std=0.3)
+    embed, head = embeddings_and_head(target)
+    prompt = prompts[1]
+    ref = greedy_decode(target, prompt, 16)
+    feats, _ = FeatureCapture(target, [0, 1]).capture(torch.tensor([prompt + ref]))
+    for anchors in ([9, 12, 16], None):
+        own = teacher_forced_tau(drafter, target, prompt, ref, embed, head, [0, 1], anchors=anchors)
+        given = teacher_forced_tau(drafter, target, prompt, ref, embed, head, [0, 1], anchors=anchors,
+                                   features=feats[0])
+        assert own == given and own["n_blocks"] > 0
