@@ -39,7 +39,7 @@ class DecodeRun:
         """τ over cycles with a whole block of draft budget (the last cycles before max_new_tokens are
         cut short and would bias short outputs down; ``tau_all`` counts every cycle), histogram, totals."""
         acc = [a for r in self.results for a in r.accepted]
-        full = [a for r in self.results for a, f in zip(r.accepted, r.full) if f]
+        full = [a for r in self.results for a in r.full_accepted]
         drafted = sum(sum(r.drafted) for r in self.results)
         generated = sum(len(r.tokens) for r in self.results)
         return {"tau": mean_tau(full) if full else mean_tau(acc), "tau_all": mean_tau(acc),

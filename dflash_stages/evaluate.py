@@ -133,7 +133,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
         m, t = check_outputs(target, prompts, refs, ng.tokens, "ngram", tol)
         mismatches, ties = mismatches + m, ties + t
         for row, res in zip(per_prompt, ng.results):
-            row["tau_ngram"] = _row_tau(res)
+            row["tau_ngram"] = res.tau
     report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
     t0 = time.perf_counter()
     report.update(_tau_sim(drafter, target, prompts, refs, run.results, per_prompt, embed, head, layer_ids)
@@ -145,24 +145,17 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     gap, flag = compute_gap(report["tau"], report["tau_sim"], gap_threshold)
     report.update({"gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold, "lossless": not mismatches,
                    "mismatches": mismatches, "near_ties": ties, "tie_tolerance": tol,
-                   "identical": sum(1 for p in range(len(prompts)) if p not in bad
-                                    and all(t["prompt"] != p for t in ties)),
+                   "identical": len(prompts) - len({e["prompt"] for e in mismatches + ties
+                                                    if e["drafter"] == "dflash"}),
                    "per_prompt": per_prompt, "timing": timing, "warnings": []})
     add_warnings(report)
     return report
 
 
-def _row_tau(res: Any) -> float:
-    from dflash_stages.eval_runs import mean_tau
-
-    full = [a for a, f in zip(res.accepted, res.full) if f]
-    return mean_tau(full) if full else res.mean_tau
-
-
 def _prompt_row(i: int, prompt: Sequence[int], ref: Sequence[int], res: Any, B: int) -> dict[str, Any]:
     from dflash_stages.spec_decode import tau_histogram
 
-    return {"index": i, "prompt_tokens": len(prompt), "generated": len(ref), "tau": _row_tau(res),
+    return {"index": i, "prompt_tokens": len(prompt), "generated": len(ref), "tau": res.tau,
             "cycles": res.cycles, "drafted": sum(res.drafted), "accepted": sum(res.accepted),
             "tau_histogram": tau_histogram(res.accepted, B)}
 

@@ -91,6 +91,17 @@ class DecodeResult:
         """Per cycle: the draft budget was a whole block (not cut short by max_new_tokens)."""
         return [b == self.block_size - 1 for b in self.budget]
 
+    @property
+    def full_accepted(self) -> list[int]:
+        """Accepted drafts of the cycles with a whole block of budget (the reported τ's basis)."""
+        return [a for a, f in zip(self.accepted, self.full) if f]
+
+    @property
+    def tau(self) -> float:
+        """Mean τ over the full-budget cycles, or over all cycles when none had a whole block."""
+        full = self.full_accepted
+        return (sum(full) + len(full)) / len(full) if full else self.mean_tau
+
 
 # --------------------------------------------------------------------------- target forwards
 

@@ -182,6 +182,7 @@ def test_cli_defaults_from_export(served, cli):
     rep = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 1000
     assert rep["lossless"] is True and rep["num_prompts"] == 2 and rep["block_size"] == B
+    assert rep["identical"] == 2 and rep["near_ties"] == []  # fp32: the decodes agree token for token
     assert rep["target"] == str(served["target"]) and rep["step"] == 30
     for key in ("tau", "tau_ngram", "tau_sim", "gap", "gap_flag", "tau_histogram", "drafted", "accepted",
                 "per_prompt", "ngram", "training", "warnings"):
