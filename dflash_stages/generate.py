@@ -97,7 +97,6 @@ class HFGenerate(Stage):
     default_link = "materialize"
     default_executor = "thread"
     needs_torch = True
-    cache_ignore = ("batch_size",)
 
     def run(self, inputs: Mapping[str, Any], ctx: StageContext) -> Iterator[dict]:
         import torch
@@ -210,7 +209,7 @@ class HFGenerate(Stage):
 
     def _key(self, items: list[dict]) -> str:
         """Shard folder name: what the completions depend on (params, inputs), nothing else."""
-        params = {k: v for k, v in asdict(self.config).items() if k not in self.cache_ignore}
+        params = asdict(self.config)  # batch_size too: it sets the sampling seeds and the padding
         inputs = [(it.get("source") or it["path"], it.get("size"), it.get("etag")) for it in items]
         blob = json.dumps({"v": self.version, "params": params, "inputs": inputs}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
