@@ -42,10 +42,16 @@ def record_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                                             f"keys {sorted(map(str, record))[:8]}")
     if not msgs or not all(isinstance(m, Mapping) for m in msgs):
         raise PromptError("empty", "no prompt messages")
-    if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in msgs
-               if m.get("role") != "system"):
+    if not any(_has_text(m.get("content")) for m in msgs if m.get("role") != "system"):
         raise PromptError("empty", "no message with text besides the system prompt")
     return [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "name")} for m in msgs]
+
+
+def _has_text(content: Any) -> bool:
+    """A content value with some text: a non-blank string, or text parts (as tokenize accepts)."""
+    if isinstance(content, list):
+        return any(isinstance(p, Mapping) and str(p.get("text", "")).strip() for p in content)
+    return isinstance(content, str) and bool(content.strip())
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], thinking: bool | None = None,

@@ -133,3 +133,16 @@ def test_config_is_checked() -> None:
         GenerateConfig(top_p=0)
     with pytest.raises(ValueError, match=">= 1"):
         GenerateConfig(batch_size=0)
+
+
+def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:
+    """Content given as text parts (as tokenize accepts) is a prompt; blank parts or only a system
+    message are not."""
+    from dflash_stages.prompts import PromptError, record_messages
+
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi?"}]}]}
+    assert record_messages(parts) == parts["messages"]
+    for empty in ({"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]},
+                  {"prompt": [{"role": "system", "content": "Be brief."}]}):
+        with pytest.raises(PromptError, match="empty"):
+            record_messages(empty)
