@@ -124,7 +124,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     report["throughput"] = {"greedy_tokens_per_s": round(sum(map(len, refs)) / ref_s, 1) if ref_s else None,
                             "spec_tokens_per_s": report.pop("tokens_per_s"), "batch_size": batch_size}
     timing = {"greedy_s": round(ref_s, 3), "spec_s": report.pop("seconds")}
-    per_prompt = [_prompt_row(i, p, ref, res, B) for i, (p, ref, res) in enumerate(zip(prompts, refs, run.results))]
+    per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     report["ngram"] = None
     if baseline:
         ng = decode_all(target, prompts, ngram_drafter(), B, max_new_tokens, None, eos, batch_size)
@@ -136,7 +136,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
             row["tau_ngram"] = res.tau
     report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
     t0 = time.perf_counter()
-    report.update(_tau_sim(drafter, target, prompts, refs, run.results, per_prompt, embed, head, layer_ids)
+    report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
                   if with_tau_sim else {"tau_sim": None, "tau_sim_all": None, "sim_loss": None, "sim_acc": None})
     timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
     bad = {m["prompt"] for m in mismatches}
@@ -152,19 +152,21 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     return report
 
 
-def _prompt_row(i: int, prompt: Sequence[int], ref: Sequence[int], res: Any, B: int) -> dict[str, Any]:
+def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, Any]:
     from dflash_stages.spec_decode import tau_histogram
 
-    return {"index": i, "prompt_tokens": len(prompt), "generated": len(ref), "tau": res.tau,
+    return {"index": i, "prompt_tokens": len(prompt), "generated": len(res.tokens), "tau": res.tau,
             "cycles": res.cycles, "drafted": sum(res.drafted), "accepted": sum(res.accepted),
             "tau_histogram": tau_histogram(res.accepted, B)}
 
 
-def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], refs: Sequence[Sequence[int]],
-             results: Sequence[Any], per_prompt: list[dict[str, Any]], embed: Any, head: Any,
-             layer_ids: list[int]) -> dict[str, Any]:
-    """τ_sim teacher-forced on each prompt + greedy completion: at the served full blocks' anchors
-    (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy)."""
+def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], results: Sequence[Any],
+             per_prompt: list[dict[str, Any]], embed: Any, head: Any, layer_ids: list[int]) -> dict[str, Any]:
+    """τ_sim teacher-forced on each prompt + the drafter's served output: at the served full blocks'
+    anchors (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy).
+
+    The served output, not the greedy reference: the anchors are positions in it, and in bf16 it
+    leaves the reference at near ties, after which the reference is another text."""
     import torch
 
     from dflash_stages.spec_decode import teacher_forced_tau
@@ -173,11 +175,12 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], refs: 
     capture = FeatureCapture(target, layer_ids)
     dev = next(target.parameters()).device
     at, every = [], []
-    for row, prompt, ref, res in zip(per_prompt, prompts, refs, results):
+    for row, prompt, res in zip(per_prompt, prompts, results):
         anchors = [a for a, f in zip(res.anchors, res.full) if f]
-        feats = capture.capture(torch.tensor([list(prompt) + list(ref)], device=dev))[0][0]  # one forward, two uses
-        sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, anchors=anchors, features=feats)
-        sim_all = teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids, features=feats)
+        out = res.tokens
+        feats = capture.capture(torch.tensor([list(prompt) + list(out)], device=dev))[0][0]  # one forward, two uses
+        sim = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, anchors=anchors, features=feats)
+        sim_all = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, features=feats)
         row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], sim_loss=sim_all["loss"])
         at.append(sim)
         every.append(sim_all)

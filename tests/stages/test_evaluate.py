@@ -278,3 +278,55 @@ def test_tau_sim_from_given_features_equals_its_own_capture(target, prompts):
         given = teacher_forced_tau(drafter, target, prompt, ref, embed, head, [0, 1], anchors=anchors,
                                    features=feats[0])
         assert own == given and own["n_blocks"] > 0
+
+
+def _memorizing_drafter(target, prompts, refs):
+    """A DFlash drafter trained on these prompts' greedy completions until it drafts much of them."""
+    from dflash_core.drafter import DFlashDrafter, anchor_candidates, drafter_loss
+    from dflash_stages.target import embeddings_and_head
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(target.config, num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=126)
+    embed, head = embeddings_and_head(target)
+    rows = []
+    for p, ref in zip(prompts, refs):
+        ids = torch.tensor(p + ref)
+        feats = FeatureCapture(target, [0, 1]).capture(ids[None])[0][0].detach()
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[len(p):] = 1
+        rows.append((feats, ids, mask, anchor_candidates(mask, torch.zeros_like(mask))))
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    for _ in range(60):
+        for feats, ids, mask, anchors in rows:
+            out = drafter_loss(drafter, feats, ids, mask, torch.arange(len(ids)), [len(ids)], anchors, embed, head,
+                               attn_backend="sdpa")
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
+def test_tau_sim_is_measured_on_the_served_output(target, prompts, monkeypatch):
+    """τ_sim at the served anchors is the served τ, prompt by prompt, also where the output left the
+    greedy reference (in bf16 it does at near ties): it is measured on what was served. Here the
+    reference is altered at its third token, so every output leaves it there."""
+    from dflash_stages import eval_runs
+    from dflash_stages.evaluate import evaluate_drafter
+
+    refs = [greedy_decode(target, p, 24) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts, refs)
+    real = eval_runs.reference_decode
+
+    def altered(*args, **kwargs):
+        outs, seconds = real(*args, **kwargs)
+        return [o[:2] + [(o[2] + 1) % 100] + o[3:] for o in outs], seconds
+
+    monkeypatch.setattr(eval_runs, "reference_decode", altered)
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=24, baseline=False, batch_size=2,
+                           tie_tolerance=0.0)
+    assert not rep["lossless"] and {m["index"] for m in rep["mismatches"]} == {2}
+    assert rep["tau"] > 2.0  # the drafter drafts much of what it was trained on
+    for row in rep["per_prompt"]:
+        assert row["tau_sim"] == pytest.approx(row["tau"], abs=1e-6)
+        assert row["generated"] == 24
+    assert rep["tau_sim"] == pytest.approx(rep["tau"], abs=1e-6) and not rep["gap_flag"]
