@@ -3,9 +3,9 @@
     python benchmarks/tau_curve.py --metrics RUN_DIR/metrics.jsonl \
         --report RUN_DIR/work/evaluate/step-0001140/report.json [--report …] --out docs/quality_tau_curve.png
 
-Prints a table (training tokens, τ_sim of the training log around there, served τ and n-gram τ of
-each report) and writes the PNG: τ_sim (training rows) as a line, each report's served τ and n-gram
-τ as points at its step's training tokens.
+Prints a table (training tokens, τ_sim of the training log around there, served τ, n-gram τ and
+held-out τ_sim at every anchor of each report) and writes the PNG: τ_sim (training rows) as a line,
+each report's figures as points at its step's training tokens.
 """
 
 from __future__ import annotations
@@ -34,16 +34,19 @@ def main() -> None:
     reports = [json.loads(Path(p).read_text()) for p in args.report]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([r["tokens"] / 1e6 for r in log], [r["tau_sim"] for r in log], label="τ_sim, training rows (log)")
-    print(f"{'step':>6} {'train tokens':>13} {'τ_sim (log)':>12} {'τ served':>9} {'τ n-gram':>9} {'τ_sim eval':>10}")
+    print(f"{'step':>6} {'train tokens':>13} {'τ_sim (log)':>12} {'τ served':>9} {'τ n-gram':>9} {'τ_sim held-out':>13}")
     for rep in reports:
         step = rep["step"]
         at = max((s for s in tokens_at if s <= step), default=None)
         x = tokens_at[at] / 1e6 if at is not None else float("nan")
         ax.scatter([x], [rep["tau"]], color="C1", zorder=3, label="τ served (held-out prompts)")
-        ax.scatter([x], [rep["tau_ngram"]], color="C2", marker="s", zorder=3, label="τ n-gram (same prompts)")
+        if rep.get("tau_ngram") is not None:
+            ax.scatter([x], [rep["tau_ngram"]], color="C2", marker="s", zorder=3, label="τ n-gram (same prompts)")
+        ax.scatter([x], [rep["tau_sim_all"]], color="C3", marker="^", zorder=3,
+                   label="τ_sim, held-out outputs, every anchor")
         sim_log = next(r["tau_sim"] for r in log if r["step"] == at) if at is not None else float("nan")
-        print(f"{step:>6} {x * 1e6:>13,.0f} {sim_log:>12.3f} {rep['tau']:>9.3f} {rep['tau_ngram']:>9.3f} "
-              f"{rep['tau_sim']:>10.3f}")
+        ngram = f"{rep['tau_ngram']:>9.3f}" if rep.get("tau_ngram") is not None else f"{'-':>9}"
+        print(f"{step:>6} {x * 1e6:>13,.0f} {sim_log:>12.3f} {rep['tau']:>9.3f} {ngram} {rep['tau_sim_all']:>13.3f}")
     for r in log[:: max(1, len(log) // 8)]:
         print(f"{r['step']:>6} {r['tokens']:>13,} {r['tau_sim']:>12.3f}")
     handles, labels = ax.get_legend_handles_labels()
