@@ -78,7 +78,7 @@ def make_inputs(args: argparse.Namespace, dev: Any) -> dict[str, Any]:
     the row's BlockLayout and a fixed output gradient: all seeded, equal in every process."""
     import torch
 
-    from dflash_core.drafter import build_blocks, doc_ids_from_lengths, sample_anchors
+    from dflash_model.drafter import build_blocks, doc_ids_from_lengths, sample_anchors
     from train_step import make_row
 
     row = make_row(args.tokens, args.docs, 151936, args.seed)
@@ -101,7 +101,7 @@ def reference(args: argparse.Namespace, path: Path) -> None:
     """fp32 SDPA with the dense mask: output and input gradients, saved for the workers."""
     import torch
 
-    from dflash_core.drafter.attention import attend
+    from dflash_model.drafter.attention import attend
 
     dev = torch.device(args.device)
     s = make_inputs(args, dev)
@@ -113,7 +113,7 @@ def reference(args: argparse.Namespace, path: Path) -> None:
 
 def parse(name: str) -> tuple[dict[str, Any], int]:
     """'config' or 'config@tile' -> (kernel options, BlockMask tile)."""
-    from dflash_core.drafter.mask import TILE
+    from dflash_model.drafter.mask import TILE
 
     base, _, tile = name.partition("@")
     return CONFIGS[base], int(tile) if tile else TILE
@@ -135,7 +135,7 @@ def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path:
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
-    from dflash_core.drafter.attention import flex_tile
+    from dflash_model.drafter.attention import flex_tile
 
     flex_tile(tile, dev, 128, torch.bfloat16, opts)  # checks the blocks fit; lets the backward take the tile
     s = make_inputs(args, dev)

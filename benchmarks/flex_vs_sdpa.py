@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
+from dflash_model.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
 
 
 def _train_step_module() -> Any:

@@ -40,11 +40,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.devices import compile_wanted
-from dflash_core.drafter import default_target_layer_ids
-from dflash_stages.linear_attention import fla_kernels
-from dflash_stages.packed_attention import row_attention_mask
-from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, decoder_layers, load_target
+from dflash_model.fast.settings import compile_wanted
+from dflash_model.drafter import default_target_layer_ids
+from dflash_model.target.linear_attention import fla_kernels
+from dflash_model.target.packed_attention import row_attention_mask
+from dflash_model.target.load import PRESETS, load_target
+from dflash_model.target.capture import FeatureCapture, compile_layers, decoder_layers
 from online import timed  # noqa: E402  (benchmarks/ is the script's directory)
 
 QWEN36_27B = PRESETS["qwen3.6-27b"]

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import loss as loss_mod
-from dflash_core.drafter import loss_triton
+from dflash_model.drafter import loss as loss_mod
+from dflash_model.fast import loss_triton
 
 from train_step import SHAPES, drafter_shape, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 

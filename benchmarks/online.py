@@ -11,7 +11,7 @@ Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target fo
 2 x non-embedding params x T + causal attention within documents).
 
 ``--attn``: the target's attention on packed rows — sdpa (4D additive mask), packed_flex
-(flex_attention + document-causal BlockMask, dflash_stages/packed_attention.py), auto (packed_flex
+(flex_attention + document-causal BlockMask, dflash_model/target/packed_attention.py), auto (packed_flex
 on CUDA, sdpa elsewhere: what extract uses by default), or both (each timed on the same rows; the
 drafter and pipeline parts then use auto's choice).
 """
@@ -33,20 +33,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import (
+from dflash_model.drafter import (
     build_blocks,
     doc_ids_from_lengths,
     sample_anchors,
     training_flops,
 )
-from dflash_core.devices import compile_wanted
+from dflash_model.fast.settings import compile_wanted
 from dflash_core.stage import StageContext
-from dflash_stages.packed_attention import NAME as FLEX
-from dflash_stages.packed_attention import register, resolve_attn_implementation
-from dflash_stages.random_rows import RandomRowsConfig, random_row
-from dflash_stages.target import PRESETS, FeatureCapture, compile_layers, load_target
-from dflash_stages.train import TrainConfig
-from dflash_stages.trainer import Trainer
+from dflash_model.target.packed_attention import NAME as FLEX
+from dflash_model.target.packed_attention import register, resolve_attn_implementation
+from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+from dflash_model.target.load import PRESETS, load_target
+from dflash_model.target.capture import FeatureCapture, compile_layers
+from dflash_stages.train.stage import TrainConfig
+from dflash_stages.train.trainer import Trainer
 
 PEAK = 744e12  # bf16 matmul measured on the H200 (DESIGN §8)
 
@@ -125,7 +126,7 @@ def main() -> None:
     t0 = time.perf_counter()
     target, tok = load_target(model_ref, args.device, dtype_name, variants[0])
     res["target_init_s"] = time.perf_counter() - t0
-    from dflash_core.drafter import default_target_layer_ids
+    from dflash_model.drafter import default_target_layer_ids
     L = target.config.num_hidden_layers
     ids = default_target_layer_ids(L, 5) if layers == "auto" else layers
     res["layer_ids"] = ids
@@ -178,7 +179,7 @@ def main() -> None:
         report(res, args)
         return
 
-    from dflash_stages.target import target_header
+    from dflash_model.target.capture import target_header
     header = target_header(model_ref, target, ids, tok)
     tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name)
     work = tempfile.mkdtemp()

@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.drafter import DFlashDrafter
-from dflash_core.drafter import adamw_triton
-from dflash_core.drafter.optim import adamw, clipped_step
+from dflash_model.drafter import DFlashDrafter
+from dflash_model.fast import adamw_triton
+from dflash_model.fast.optim import adamw, clipped_step
 
 from train_step import SHAPES, drafter_shape, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 

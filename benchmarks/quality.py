@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_core.drafter import read_export_config
+    from dflash_model.drafter import read_export_config
     from dflash_core.artifacts import write_json
-    from dflash_stages.eval_report import clean_json, render_table
-    from dflash_stages.evaluate import evaluate_export
+    from dflash_stages.evaluate.report import clean_json, render_table
+    from dflash_stages.evaluate.stage import evaluate_export
 
     console = Console(highlight=False)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -72,7 +72,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dflash_core.stage import StageContext
-    from dflash_stages.tokenize import ChatTemplateTokenize, TokenizeConfig
+    from dflash_stages.tokenize.stage import ChatTemplateTokenize, TokenizeConfig
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)

@@ -44,12 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.devices import compile_wanted
-from dflash_core.drafter.attention import flex_kernel_options, flex_tile, resolve_backend
-from dflash_core.drafter.loss import loss_chunks
-from dflash_core.drafter.optim import adamw, clipped_step
-from dflash_stages import compile_cache
-from dflash_core.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
+from dflash_model.fast.settings import compile_wanted
+from dflash_model.drafter.attention import flex_kernel_options, flex_tile, resolve_backend
+from dflash_model.drafter.loss import loss_chunks
+from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast import compile_cache
+from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
 from step_phases import LOSS, PhaseClock, breakdown, breakdown_table  # noqa: E402
@@ -59,21 +59,21 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
 """The ``tiny`` shape's target: small enough for a CPU smoke test."""
 SHAPES = ("tiny", "qwen3-8b", "qwen3.6-27b")
-"""``--shape``: ``tiny``, or the target ``random:NAME`` of ``dflash_stages.target.PRESETS``."""
+"""``--shape``: ``tiny``, or the target ``random:NAME`` of ``dflash_model.target.load.PRESETS``."""
 
 
 def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterConfig:
     """The drafter a run builds for the target ``random:NAME`` (``TINY`` for ``tiny``): attention
     shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
     header extract would send, so the benchmark's dimensions are the package's own."""
-    from dflash_stages.drafter_init import drafter_config
-    from dflash_stages.train import TrainConfig
+    from dflash_stages.train.drafter_init import drafter_config
+    from dflash_stages.train.stage import TrainConfig
 
     if name == "tiny":
         target = dict(TINY)
     else:
-        from dflash_core.drafter.config import config_dict
-        from dflash_stages.target import random_config
+        from dflash_model.drafter.config import config_dict
+        from dflash_model.target.load import random_config
 
         target = config_dict(random_config(name))
     V, H = target["vocab_size"], target["hidden_size"]
@@ -284,7 +284,7 @@ def measure(args: argparse.Namespace, backend: str, s: dict[str, Any], step: Cal
 
 def describe_shape(cfg: DrafterConfig) -> str:
     """The dimensions that set the step's FLOPs, for the log."""
-    from dflash_stages.drafter_init import describe as describe_layers
+    from dflash_stages.train.drafter_init import describe as describe_layers
 
     return (f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, target "
             f"layers {cfg.target_layer_ids} of {cfg.num_target_layers}; {describe_layers(cfg)}")

@@ -7,46 +7,14 @@ confirmed with torch at run time.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 from functools import lru_cache
-from typing import Any
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
-
-
-def check_compile_setting(setting: str) -> None:
-    """A stage config's ``compile`` must be auto, on or off (checked before anything runs)."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"compile must be auto, on or off, got {setting!r}")
-
-
-def compile_wanted(setting: str, device: object) -> bool:
-    """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
-    Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""
-    return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
-
-
-def triton_installed() -> bool:
-    """Whether our Triton kernels (AdamW, the loss chunk) can be used on CUDA: triton is importable
-    (CUDA builds of torch bring it; checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def peak_gib(device: Any) -> float | None:
-    """Peak memory torch allocated on ``device`` so far, in GiB (None off CUDA): the figure to
-    compare with the GPU's size when placing stages (the CUDA context and the allocator's cache
-    come on top)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
 
 
 def expand_rank(spec: str) -> str:

@@ -35,6 +35,17 @@ def dflash_pipe_resolve_device(spec: str) -> str | None:
 
 
 @hookspec
+def dflash_pipe_add_commands(subparsers: Any, common: Any) -> None:
+    """Add ``dflash-pipe`` commands: ``subparsers.add_parser(NAME, parents=[common], ...)`` and
+    ``set_defaults(func=RUN)``, where ``RUN(args)`` returns the exit code.
+
+    The engine's own commands run pipelines; a command that belongs to some stages (the built-in
+    ``evaluate`` and ``plan``) comes with their plugin. Import heavy modules inside ``RUN``, so that
+    ``dflash-pipe --help`` stays fast.
+    """
+
+
+@hookspec
 def dflash_pipe_before_stage(stage: str, kind: str, impl: str, device: str) -> None:
     """A stage is about to start (after its inputs are ready)."""
 

@@ -128,7 +128,7 @@ def _saved(state: dict[str, Any], path: str) -> dict[str, Any]:
 
 def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageContext) -> str:
     """Write one checkpoint under ``root/name`` and point ``latest.json`` at it (rank 0)."""
-    from dflash_core.drafter import DFlashDrafter, export_drafter
+    from dflash_model.drafter import DFlashDrafter, export_drafter
 
     final = join(root, name)
     local = "://" not in root

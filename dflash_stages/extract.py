@@ -4,7 +4,7 @@ The target runs frozen, without its LM head (the forward stops after the highest
 drafter reads), with a block-diagonal causal mask so the documents of a packed row never see
 each other: a 4D additive mask for sdpa / eager, a document-causal flex BlockMask for
 ``packed_flex`` (the default on CUDA: SDPA with a 4D mask leaves its flash kernel, flex skips the
-masked blocks; see ``dflash_stages.packed_attention``). Running in its own thread (or process),
+masked blocks; see ``dflash_model.target.packed_attention``). Running in its own thread (or process),
 it computes row i+1 while the trainer works on row i; on CUDA it uses its own stream and finishes
 each row before handing it on.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
-from dflash_core.compile_gate import GATE
-from dflash_core.devices import check_compile_setting, compile_wanted, peak_gib
+from dflash_model.fast.compile_gate import GATE
+from dflash_model.fast.settings import check_compile_setting, compile_wanted, peak_gib
 from dflash_core.rows import PACKED_ROW, checked
 
 
@@ -40,14 +40,14 @@ class ExtractConfig:
 
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
-        from dflash_core.drafter import default_target_layer_ids
+        from dflash_model.drafter import default_target_layer_ids
 
         if self.layers == "auto":
             return default_target_layer_ids(n_layers, self.num_features)
         return [int(t) for t in self.layers]  # type: ignore[union-attr]  (FeatureCapture checks them)
 
     def __post_init__(self) -> None:
-        from dflash_stages.packed_attention import IMPLEMENTATIONS
+        from dflash_model.target.packed_attention import IMPLEMENTATIONS
 
         check_compile_setting(self.compile)
         if self.attn_implementation not in IMPLEMENTATIONS:
@@ -66,9 +66,10 @@ class HFHooksExtract(Stage):
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
 
-        from dflash_stages import packed_attention
-        from dflash_stages.packed_attention import resolve_attn_implementation
-        from dflash_stages.target import FeatureCapture, compile_layers, load_target, target_header
+        from dflash_model.target import packed_attention
+        from dflash_model.target.packed_attention import resolve_attn_implementation
+        from dflash_model.target.load import load_target
+        from dflash_model.target.capture import FeatureCapture, compile_layers, target_header
 
         cfg = self.config
         device = torch.device(ctx.device)

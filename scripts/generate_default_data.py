@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     from transformers.utils import logging as hf_logging
 
-    from dflash_stages.smollm2 import SMOLLM2_GGUF_NAME, SMOLLM2_VERSION, load_smollm2
+    from dflash_model.target.smollm2 import SMOLLM2_GGUF_NAME, SMOLLM2_VERSION, load_smollm2
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

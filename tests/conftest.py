@@ -21,7 +21,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton kernels (dflash_core/drafter/adamw_triton.py, loss_triton.py) are tested through Triton's interpreter
+    # Triton kernels (dflash_model/fast/adamw_triton.py, loss_triton.py) are tested through Triton's interpreter
     # on machines without a GPU; it is chosen when triton is first imported, so before any test
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import step_phases as sp  # noqa: E402  (a script directory, not a package)
 import train_step  # noqa: E402
 
-from dflash_core.drafter import drafter_loss, sample_anchors, training_flops  # noqa: E402
-from dflash_core.drafter.config import FULL  # noqa: E402
-from dflash_core.drafter.loss import loss_chunks  # noqa: E402
+from dflash_model.drafter import drafter_loss, sample_anchors, training_flops  # noqa: E402
+from dflash_model.drafter.config import FULL  # noqa: E402
+from dflash_model.drafter.loss import loss_chunks  # noqa: E402
 
 
 def test_qwen36_27b_shape_is_the_drafter_a_run_builds():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_stages.smollm2 import (
+from dflash_model.target.smollm2 import (
     SMOLLM2_INSTALL_HINT,
     SMOLLM2_REF,
     SmolLM2NotInstalled,
@@ -57,7 +57,7 @@ def smollm2():
     pytest.importorskip("gguf", reason="transformers needs the 'gguf' package to read GGUF")
     from transformers.utils import logging as hf_logging
 
-    from dflash_stages.smollm2 import load_smollm2
+    from dflash_model.target.smollm2 import load_smollm2
 
     hf_logging.disable_progress_bar()
     model, tok = load_smollm2(dtype=torch.float32)

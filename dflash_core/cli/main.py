@@ -14,14 +14,16 @@ import sys
 import traceback
 
 from dflash_core import __version__
-from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console,
+from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console, plugin_manager,
                                     setup_logging)
 from dflash_core.interrupts import exit_code
 
-COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status", "evaluate", "plan"]
+COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The engine's commands, then those the plugins add (``dflash_pipe_add_commands``): plugins load
+    first, from entry points and the ``-p`` options found in ``argv``."""
     parser = argparse.ArgumentParser(prog="dflash-pipe", description=(
         "Train DFlash speculative-decoding drafters online, as a DAG of stage plugins."))
     parser.add_argument("--version", action="version", version=f"dflash-pipe {__version__}")
@@ -34,16 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"dflash_core.cli.{name}").add_parser(sub, common)
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("-p", dest="plugin", action="append")
+    known, _ = early.parse_known_args(sys.argv[1:] if argv is None else argv)
+    plugin_manager(known).hook.dflash_pipe_add_commands(subparsers=sub, common=common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(-1 if args.quiet else args.verbose)
     from dflash_core.errors import PipelineFileError
     from dflash_core.plugins import PluginError
     from dflash_core.runner import Refused, RunFailed
+
+    try:
+        parser = build_parser(argv)
+    except PluginError as exc:
+        err_console.print(f"plugin error: {exc}", markup=False)
+        return EXIT_CONFIG
+    args = parser.parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
 
     try:
         return int(args.func(args) or 0)

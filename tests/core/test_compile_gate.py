@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dflash_core.compile_gate import CompileGate
+from dflash_model.fast.compile_gate import CompileGate
 
 
 def _traced_while(events: list[str], inside: threading.Event, release: threading.Event, gate=None):

@@ -1,4 +1,4 @@
-"""``dflash-pipe plan``: the layout model (dflash_core/plan.py) with exact numbers, and the command
+"""``dflash-pipe plan``: the layout model (dflash_stages/layout/planner.py) with exact numbers, and the command
 with given rates (no measurement). The measuring path is tests/stages/test_plan.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dflash_core.plan import PlanInputs, fan_in_splits, plan
+from dflash_stages.layout.planner import PlanInputs, fan_in_splits, plan
 from tests.conftest import REPO, STAGES
 
 RT, RD = 7200.0, 23000.0

@@ -240,7 +240,7 @@ def test_example_packer_in_a_real_pipeline_writes_complete_rows(installed_plugin
     streams shard descriptors, not samples), and its rows carry every packed-row field the
     trainer relies on (schedule length, resume cursor)."""
     from dflash_core.rows import PACKED_ROW, check_row
-    from dflash_stages.packing import SampleIndex
+    from dflash_stages.pack.packing import SampleIndex
 
     data = tmp_path / "data"
     data.mkdir()

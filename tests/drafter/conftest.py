@@ -42,7 +42,7 @@ def packed_row(seed: int = 0, doc_lengths=(12, 9, 14), pad: int = 5, k: int = 2,
 
 
 def make_drafter(num_layers: int = 2, block_size: int = 4, dtype=torch.float64, **kw):
-    from dflash_core.drafter import DFlashDrafter
+    from dflash_model.drafter import DFlashDrafter
 
     torch.manual_seed(0)
     cfg_kw = kw.pop("config_kw", {})

@@ -5,10 +5,10 @@ TRITON_INTERPRET); with one, compiled on it. The H200 timing is benchmarks/optim
 import pytest
 import torch
 
-from dflash_core.drafter.optim import adamw, clipped_step
+from dflash_model.fast.optim import adamw, clipped_step
 
 pytest.importorskip("triton", reason="the kernels are Triton code (the test extra installs triton)")
-from dflash_core.drafter import adamw_triton as kernels  # noqa: E402  (imports triton)
+from dflash_model.fast import adamw_triton as kernels  # noqa: E402  (imports triton)
 
 SHAPES = ((70, 90), (24,), (7, 3, 5))  # 6,300 elements: several programs per kernel, the last partial
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,8 +135,8 @@ def test_triton_adamw_refuses_what_it_does_not_implement():
 
 
 def test_train_config_adamw_kernel():
-    from dflash_core.drafter.optim import KERNELS
-    from dflash_stages.train import ADAMW_KERNELS, TrainConfig
+    from dflash_model.fast.optim import KERNELS
+    from dflash_stages.train.stage import ADAMW_KERNELS, TrainConfig
 
     assert ADAMW_KERNELS == KERNELS and TrainConfig().adamw_kernel == "auto"
     with pytest.raises(ValueError, match="adamw_kernel must be one of auto, triton, torch"):

@@ -3,7 +3,7 @@ import math
 import torch
 from conftest import packed_row
 
-from dflash_core.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths, sample_anchors,
+from dflash_model.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths, sample_anchors,
                                  slot_weights, tau_sim)
 
 

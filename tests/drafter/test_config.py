@@ -3,8 +3,8 @@ import torch
 import transformers
 from conftest import qwen3_config
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, default_gamma, pick_mask_token_id
-from dflash_core.drafter.rope import rope_inv_freq
+from dflash_model.drafter import DFlashDrafter, DrafterConfig, default_gamma, pick_mask_token_id
+from dflash_model.drafter.rope import rope_inv_freq
 
 
 def test_reads_qwen3_config_object_and_dict():

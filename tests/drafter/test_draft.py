@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import MASK_ID, make_drafter, packed_row
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, draft_block
+from dflash_model.drafter import build_blocks, doc_ids_from_lengths, draft_block
 
 
 @pytest.mark.parametrize("kw", [{}, dict(layer_types=["sliding_attention", "full_attention"],
@@ -36,8 +36,8 @@ def test_draft_block_without_context_needs_a_position():
                                          config_kw=dict(use_sliding_window=True, sliding_window=4))])
 def test_draft_blocks_of_several_contexts_equal_each_drafted_alone(kw):
     """Batched drafting packs the contexts as documents: no block sees another sequence's context."""
-    from dflash_core.drafter import draft_blocks
-    from dflash_core.drafter.draft import draft_hidden
+    from dflash_model.drafter import draft_blocks
+    from dflash_model.drafter.draft import draft_hidden
 
     r = packed_row(doc_lengths=(30,), pad=0)
     model = make_drafter(**kw)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import MASK_ID, make_drafter, packed_row
 
-from dflash_core.drafter import (build_blocks, doc_ids_from_lengths, export_drafter, load_drafter, read_export_config,
+from dflash_model.drafter import (build_blocks, doc_ids_from_lengths, export_drafter, load_drafter, read_export_config,
                                  sample_anchors)
-from dflash_core.drafter import export as export_mod
+from dflash_model.drafter import export as export_mod
 
 NAMES_2_LAYERS = [
     "fc.weight", "hidden_norm.weight", "norm.weight",
@@ -89,7 +89,7 @@ def test_float32_model_round_trips_through_bf16(tmp_path):
 def test_llama_rope_fields_are_exported_and_reloaded(tmp_path):
     import transformers
 
-    from dflash_core.drafter import DFlashDrafter
+    from dflash_model.drafter import DFlashDrafter
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256, "rope_theta": 5e5}

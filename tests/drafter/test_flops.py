@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_core.drafter import DrafterConfig, training_flops
+from dflash_model.drafter import DrafterConfig, training_flops
 
 
 def _cfg(**kw):

@@ -1,7 +1,7 @@
 import pytest
 
-from dflash_core.drafter import default_target_layer_ids, from_aux_layer_ids, to_aux_layer_ids
-from dflash_core.drafter.layers import validate_target_layer_ids
+from dflash_model.drafter import default_target_layer_ids, from_aux_layer_ids, to_aux_layer_ids
+from dflash_model.drafter.layers import validate_target_layer_ids
 
 
 def test_default_ids_match_design():

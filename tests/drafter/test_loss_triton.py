@@ -5,10 +5,10 @@ benchmarks/loss_chunk.py."""
 import pytest
 import torch
 
-from dflash_core.drafter import loss as loss_mod
+from dflash_model.drafter import loss as loss_mod
 
 pytest.importorskip("triton", reason="the kernels are Triton code (the test extra installs triton)")
-from dflash_core.drafter import loss_triton  # noqa: E402  (imports triton)
+from dflash_model.fast import loss_triton  # noqa: E402  (imports triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, H, V, BLOCK = 7, 16, 1000, 256  # 4 tiles a row, the last one partial (232 logits)

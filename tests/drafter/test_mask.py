@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import make_drafter, packed_row
 
-from dflash_core.drafter import BlockLayout, build_blocks, doc_ids_from_lengths, sample_anchors
+from dflash_model.drafter import BlockLayout, build_blocks, doc_ids_from_lengths, sample_anchors
 
 # T = 7 rows: doc 0 = rows 0-2, doc 1 = rows 3-5, row 6 padding; anchors 1, 3, 4; B = 2.
 DOCS = doc_ids_from_lengths([3, 3], 7)
@@ -122,7 +122,7 @@ def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to, tile
     torch's default tile and at the H200's (attention.TUNED_FLEX_TILE)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash_core.drafter.anchors import pad_anchors
+    from dflash_model.drafter.anchors import pad_anchors
 
     g = torch.Generator().manual_seed(T + n)
     docs = doc_ids_from_lengths(lengths, T)

@@ -3,7 +3,7 @@ import torch
 from conftest import MASK_ID, make_drafter, packed_row
 from reference import reference_block_logits, reference_loss
 
-from dflash_core.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
+from dflash_model.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
 
 SLIDING = dict(layer_types=["full_attention", "sliding_attention"],
                config_kw=dict(use_sliding_window=True, sliding_window=3))
@@ -167,7 +167,7 @@ def test_tiny_hf_target_end_to_end_with_tied_embeddings():
     import transformers
     from conftest import qwen3_config
 
-    from dflash_core.drafter import DFlashDrafter
+    from dflash_model.drafter import DFlashDrafter
 
     torch.manual_seed(0)
     target = transformers.Qwen3ForCausalLM(qwen3_config(tie_word_embeddings=True)).eval()
@@ -218,7 +218,7 @@ def test_flex_tile_choices_cap_the_backward_configs(monkeypatch, inductor_choice
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
-    from dflash_core.drafter.attention import _tile_choices, allow_flex_tile
+    from dflash_model.drafter.attention import _tile_choices, allow_flex_tile
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     fields = ("block_m1", "block_n1", "block_m2", "block_n2", "num_stages", "num_warps")
@@ -240,8 +240,8 @@ def test_flex_tile_resolution(monkeypatch, inductor_choices):
     """auto -> 64 on an H200 (bf16, head dim 128) when the kernel options fit it, else 128; 128 on
     CPU and on GPUs not in the table, with Inductor left alone; a given tile is used and checked
     against the options; the train param takes auto or a power of two from 16 to 128."""
-    from dflash_core.drafter.attention import TUNED_FLEX_OPTIONS, flex_tile
-    from dflash_stages.train import TrainConfig
+    from dflash_model.drafter.attention import TUNED_FLEX_OPTIONS, flex_tile
+    from dflash_stages.train.stage import TrainConfig
 
     bf16, cuda = torch.bfloat16, torch.device("cuda")
     tuned = TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]

@@ -22,8 +22,8 @@ import pytest
 import torch
 from conftest import HIDDEN, MASK_ID, VOCAB, qwen3_config
 
-from dflash_core.drafter import DFlashDrafter, export_drafter, load_drafter
-from dflash_core.drafter.draft import draft_hidden
+from dflash_model.drafter import DFlashDrafter, export_drafter, load_drafter
+from dflash_model.drafter.draft import draft_hidden
 
 REPO = Path(__file__).resolve().parents[2]
 TF457 = REPO / ".venv-tf457"
@@ -51,8 +51,8 @@ def _qwen3_5_published():
     partially rotated mRoPE attention, which a served Qwen3 layer could not reproduce."""
     import transformers
 
-    from dflash_stages.drafter_init import drafter_config
-    from dflash_stages.train import TrainConfig
+    from dflash_stages.train.drafter_init import drafter_config
+    from dflash_stages.train.stage import TrainConfig
 
     target = transformers.AutoConfig.for_model(
         "qwen3_5_text", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=8,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_drafter, packed_row
 
-from dflash_core.drafter import drafter_loss, sample_anchors
-from dflash_core.drafter.loss import _hard_chunk, _soft_chunk
+from dflash_model.drafter import drafter_loss, sample_anchors
+from dflash_model.drafter.loss import _hard_chunk, _soft_chunk
 
 
 def _loss(model, r, anchors, **kw):
@@ -48,7 +48,7 @@ def test_padding_blocks_change_nothing(target):
 
 def test_equal_chunks_with_zero_rows_equal_one_chunk():
     """7 rows in chunks of 3 -> 3 chunks of 3 with 2 zero rows; loss, argmax and grad unchanged."""
-    from dflash_core.drafter.loss import ChunkedLMHeadLoss
+    from dflash_model.drafter.loss import ChunkedLMHeadLoss
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 16, dtype=torch.float64, generator=g, requires_grad=True)
@@ -110,7 +110,7 @@ def test_compiled_layers_equal_eager_and_do_not_recompile():
 
 
 def test_compile_cache_round_trip(tmp_path):
-    from dflash_stages import compile_cache
+    from dflash_model.fast import compile_cache
 
     log = logging.getLogger("test")
     url = compile_cache.cache_url(str(tmp_path), torch.device("cpu"))
@@ -127,8 +127,8 @@ def test_compile_cache_round_trip(tmp_path):
 def test_flex_kernel_options_resolution():
     """auto -> the table's options only for a GPU it knows (none on CPU); a mapping is used as
     given (copied); null/{} -> torch's defaults; the train param refuses other strings."""
-    from dflash_core.drafter.attention import TUNED_FLEX_OPTIONS, flex_kernel_options
-    from dflash_stages.train import TrainConfig
+    from dflash_model.drafter.attention import TUNED_FLEX_OPTIONS, flex_kernel_options
+    from dflash_stages.train.stage import TrainConfig
 
     cpu = torch.device("cpu")
     assert flex_kernel_options("auto", cpu, 128, torch.bfloat16) is None

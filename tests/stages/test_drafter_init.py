@@ -12,12 +12,12 @@ import torch
 
 from dflash_core import StageContext
 from dflash_core.config_types import validate_params
-from dflash_core.drafter import DFlashDrafter, export_drafter, load_drafter
-from dflash_core.drafter.config import FULL
-from dflash_stages.drafter_init import drafter_config
+from dflash_model.drafter import DFlashDrafter, export_drafter, load_drafter
+from dflash_model.drafter.config import FULL
+from dflash_stages.train.drafter_init import drafter_config
 from dflash_stages.extract import ExtractConfig
-from dflash_stages.train import TrainConfig
-from dflash_stages.trainer import Trainer
+from dflash_stages.train.stage import TrainConfig
+from dflash_stages.train.trainer import Trainer
 
 REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"
 

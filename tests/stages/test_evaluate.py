@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_stages.spec_decode import (DraftRequest, first_mismatch, greedy_decode, ngram_drafter, ngram_propose,
+from dflash_model.target.spec_decode import (DraftRequest, first_mismatch, greedy_decode, ngram_drafter, ngram_propose,
                                        oracle_drafter, speculative_decode, tau_histogram)
-from dflash_stages.target import FeatureCapture
+from dflash_model.target.capture import FeatureCapture
 from tests.assets import unpack_qwen3_tokenizer
 
 B = 4
@@ -127,7 +127,7 @@ def test_ngram_propose_latest_longest_match():
 
 
 def test_gap_and_warnings():
-    from dflash_stages.evaluate import add_warnings, compute_gap
+    from dflash_stages.evaluate.stage import add_warnings, compute_gap
 
     assert compute_gap(2.0, 4.0) == (0.5, True)
     assert compute_gap(3.7, 4.0)[1] is False
@@ -146,7 +146,7 @@ def served(tmp_path_factory):
     whose metadata records them (like the checkpoint stage writes)."""
     import transformers
 
-    from dflash_core.drafter import DFlashDrafter, export_drafter
+    from dflash_model.drafter import DFlashDrafter, export_drafter
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("served")
@@ -198,7 +198,7 @@ def test_cli_defaults_from_export(served, cli):
 def test_cli_fails_on_a_planted_acceptance_bug(served, cli, monkeypatch):
     """A loop that accepts one draft too many (a real logic error) fails the check: the wrong token's
     logit is far below the target's choice, not a near tie."""
-    import dflash_stages.spec_decode as sd
+    import dflash_model.target.spec_decode as sd
 
     real = sd.accepted_prefix
     monkeypatch.setattr(sd, "accepted_prefix", lambda drafts, target: min(len(drafts), real(drafts, target) + 1))
@@ -214,7 +214,7 @@ def test_cli_fails_on_a_planted_acceptance_bug(served, cli, monkeypatch):
 
 
 def test_cli_without_target_recorded_is_a_config_error(served, cli, tmp_path):
-    from dflash_core.drafter import DFlashDrafter, export_drafter
+    from dflash_model.drafter import DFlashDrafter, export_drafter
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(served["target"])
@@ -226,7 +226,7 @@ def test_cli_without_target_recorded_is_a_config_error(served, cli, tmp_path):
 
 def test_stage_every_and_final(served, tmp_path):
     from dflash_core.stage import StageContext
-    from dflash_stages.evaluate import EvaluateConfig, SpecDecodeEvaluate
+    from dflash_stages.evaluate.stage import EvaluateConfig, SpecDecodeEvaluate
 
     cfg = EvaluateConfig(every=2, num_prompts=1, max_new_tokens=4, prompts=str(served["heldout"]))
     stage = SpecDecodeEvaluate(cfg)
@@ -262,9 +262,9 @@ def test_cli_on_cpu_takes_a_few_prompts_and_shows_tau_so_far(served, cli):
 def test_tau_sim_from_given_features_equals_its_own_capture(target, prompts):
     """evaluate captures a completion's features once for both anchor sets: the same τ_sim, loss and
     accuracy as each call capturing them itself."""
-    from dflash_core.drafter import DFlashDrafter
-    from dflash_stages.spec_decode import teacher_forced_tau
-    from dflash_stages.target import embeddings_and_head
+    from dflash_model.drafter import DFlashDrafter
+    from dflash_model.target.spec_decode import teacher_forced_tau
+    from dflash_model.target.capture import embeddings_and_head
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(target.config, num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=126)
@@ -282,8 +282,8 @@ def test_tau_sim_from_given_features_equals_its_own_capture(target, prompts):
 
 def _memorizing_drafter(target, prompts, refs):
     """A DFlash drafter trained on these prompts' greedy completions until it drafts much of them."""
-    from dflash_core.drafter import DFlashDrafter, anchor_candidates, drafter_loss
-    from dflash_stages.target import embeddings_and_head
+    from dflash_model.drafter import DFlashDrafter, anchor_candidates, drafter_loss
+    from dflash_model.target.capture import embeddings_and_head
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(target.config, num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=126)
@@ -310,8 +310,8 @@ def test_tau_sim_is_measured_on_the_served_output(target, prompts, monkeypatch):
     """τ_sim at the served anchors is the served τ, prompt by prompt, also where the output left the
     greedy reference (in bf16 it does at near ties): it is measured on what was served. Here the
     reference is altered at its third token, so every output leaves it there."""
-    from dflash_stages import eval_runs
-    from dflash_stages.evaluate import evaluate_drafter
+    from dflash_stages.evaluate import runs as eval_runs
+    from dflash_stages.evaluate.stage import evaluate_drafter
 
     refs = [greedy_decode(target, p, 24) for p in prompts]
     drafter = _memorizing_drafter(target, prompts, refs)

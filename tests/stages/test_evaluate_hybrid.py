@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from dflash_stages import spec_cache
-from dflash_stages.spec_decode import (DraftRequest, greedy_decode, ngram_drafter, oracle_drafter,
+from dflash_model.target import spec_cache
+from dflash_model.target.spec_decode import (DraftRequest, greedy_decode, ngram_drafter, oracle_drafter,
                                        speculative_decode)
-from dflash_stages.target import FeatureCapture
+from dflash_model.target.capture import FeatureCapture
 from tests.stages.test_evaluate import tiny_qwen3
 
 B, V = 4, 128
@@ -128,7 +128,7 @@ def test_features_are_those_of_the_accepted_sequence(hybrid, prompts):
 
 @pytest.fixture(scope="module")
 def hybrid_export(hybrid, tmp_path_factory):
-    from dflash_core.drafter import DFlashDrafter, export_drafter
+    from dflash_model.drafter import DFlashDrafter, export_drafter
 
     torch.manual_seed(1)
     drafter = DFlashDrafter(hybrid.config, num_layers=1, block_size=B, target_layer_ids=LAYER_IDS,
@@ -137,7 +137,7 @@ def hybrid_export(hybrid, tmp_path_factory):
 
 
 def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
-    from dflash_stages.evaluate import evaluate_export
+    from dflash_stages.evaluate.stage import evaluate_export
 
     rep = evaluate_export(hybrid_export, prompts=prompts[:2], max_new_tokens=12, loaded_target=(hybrid, None),
                           plot=False)
@@ -150,7 +150,7 @@ def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
 def test_planted_broken_rollback_is_caught(hybrid, hybrid_export, prompts, monkeypatch):
     """Crop-only rollback (the state restore skipped): the outputs diverge from greedy and the lossless
     check reports it."""
-    from dflash_stages.evaluate import evaluate_export
+    from dflash_stages.evaluate.stage import evaluate_export
 
     monkeypatch.setattr(spec_cache, "restore", lambda layers, saved: None)
     rep = evaluate_export(hybrid_export, prompts=prompts[:2], max_new_tokens=12, loaded_target=(hybrid, None),

@@ -146,7 +146,7 @@ def test_rows_without_the_trainer_fields_are_refused_naming_the_packer(target: P
 def test_packed_flex_calls_go_through_the_compile_gate_with_eager_layers(target: Path, tmp_path: Path) -> None:
     """packed_flex compiles its flex_attention on CUDA even with ``compile: off``: the first call at
     a length must run alone (a compile overlapping another stage's in the process fails the run)."""
-    from dflash_core.compile_gate import GATE
+    from dflash_model.fast.compile_gate import GATE
 
     rng = np.random.default_rng(4)
     rows = [packed_row([rng.integers(0, 5999, 20), rng.integers(0, 5999, 12)])]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from dflash_core.stage import StageContext
-from dflash_stages import generate_batch
-from dflash_stages.generate import GenerateConfig, HFGenerate
+from dflash_model.target import generate as generate_batch
+from dflash_stages.generate.stage import GenerateConfig, HFGenerate
 from tests.stages.online_fixtures import tiny_target
 
 
@@ -43,9 +43,9 @@ def test_completions_are_greedy_decodes_and_tokenize_reads_them_back(tmp_path: P
     """Batched, left-padded generation = the target's one-prompt greedy decode; tokenize's supervised
     tokens of each record are exactly those generated ids (+ the end-of-turn token the template adds
     when the completion was cut); bad prompts are skipped with their reasons, never fatal."""
-    from dflash_stages.prompts import eos_ids, record_messages, render_prompt
-    from dflash_stages.smollm2 import load_smollm2
-    from dflash_stages.spec_decode import greedy_decode
+    from dflash_stages.generate.prompts import eos_ids, record_messages, render_prompt
+    from dflash_model.target.smollm2 import load_smollm2
+    from dflash_model.target.spec_decode import greedy_decode
     from tests.stages.test_tokenize import run_stage
 
     good = [{"prompt": "Name a colour."}, {"messages": [{"role": "user", "content": "What is 2+2?"}]},
@@ -138,7 +138,7 @@ def test_config_is_checked() -> None:
 def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:
     """Content given as text parts (as tokenize accepts) is a prompt; blank parts or only a system
     message are not."""
-    from dflash_stages.prompts import PromptError, record_messages
+    from dflash_stages.generate.prompts import PromptError, record_messages
 
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi?"}]}]}
     assert record_messages(parts) == parts["messages"]

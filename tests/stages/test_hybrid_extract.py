@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_stages.linear_attention import Kernels, fla_kernels, linear_mixers, varlen_mixer
-from dflash_stages.packed_attention import layer_windows, row_attention_mask
+from dflash_model.target.linear_attention import Kernels, fla_kernels, linear_mixers, varlen_mixer
+from dflash_model.target.packed_attention import layer_windows, row_attention_mask
 from tests.assets import unpack_qwen3_tokenizer
 from tests.stages.test_extract import extract, packed_row
 

@@ -179,7 +179,7 @@ def test_short_run_learns_and_exports(tmp_path: Path, target: Path, monkeypatch)
     by >= 0.5 (measured: loss ~17.5 -> ~2.4, tau_sim 1.0 -> ~2.1); the final export loads with
     ``load_drafter`` and its config.json carries the ``dflash_pipe`` metadata, with absolute
     paths although the file writes them relative to itself and the run starts elsewhere."""
-    from dflash_core.drafter import load_drafter
+    from dflash_model.drafter import load_drafter
 
     run_dir = tmp_path / "run"
     (tmp_path / "heldout.jsonl").write_text("")
@@ -469,7 +469,7 @@ def test_rerun_never_leaves_latest_naming_a_removed_checkpoint(tmp_path: Path, t
 
 def test_weights_digest_tells_equal_weights_from_one_ulp_apart() -> None:
     """The replica check compares these digests instead of the weights themselves."""
-    from dflash_stages.trainer import weights_digest
+    from dflash_stages.train.trainer import weights_digest
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)

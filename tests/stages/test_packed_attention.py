@@ -1,4 +1,4 @@
-"""packed_flex (dflash_stages/packed_attention.py): the target forward on packed rows through
+"""packed_flex (dflash_model/target/packed_attention.py): the target forward on packed rows through
 flex_attention with a document-causal BlockMask. On CPU flex_attention runs eagerly, so these
 tests check the mask and the wiring (registration, the mask reaching every layer, the extract
 stage), in float32 against the sdpa + 4D-mask path and against each document run alone."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_stages.extract import ExtractConfig
-from dflash_stages.packed_attention import (
+from dflash_model.target.packed_attention import (
     NAME,
     doc_causal_mask_mod,
     document_ids,
@@ -24,7 +24,9 @@ from dflash_stages.packed_attention import (
     resolve_attn_implementation,
     row_attention_mask,
 )
-from dflash_stages.target import FeatureCapture, load_target, packed_attention_mask
+from dflash_model.target.load import load_target
+from dflash_model.target.capture import FeatureCapture
+from dflash_model.target.packed_attention import packed_attention_mask
 from tests.stages.online_fixtures import tiny_target
 from tests.stages.test_extract import LAYERS, extract, packed_row
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from dflash_stages.extract import ExtractConfig
-from dflash_stages.target import PRESETS, base_model, decoder_layers, load_target
+from dflash_model.target.load import PRESETS, load_target
+from dflash_model.target.capture import base_model, decoder_layers
 from tests.assets import unpack_qwen3_tokenizer
 from tests.conftest import REPO
 
@@ -108,7 +109,7 @@ def test_a_composite_checkpoint_loads_as_its_text_model(tmp_path: Path) -> None:
 
 
 def test_plan_reads_the_hidden_size_of_the_preset_and_the_real_config() -> None:
-    from dflash_stages.plan_measure import feature_dims
+    from dflash_stages.layout.measure import feature_dims
 
     assert feature_dims(ExtractConfig(model="random:qwen3.6-27b")) == (5120, 5)
     assert feature_dims(ExtractConfig(model=f"random:{REAL_CONFIG}")) == (5120, 5)

@@ -9,11 +9,11 @@ import sys
 
 import torch
 
-from dflash_stages.target import load_target
-from dflash_stages.trainer import weights_digest
+from dflash_model.target.load import load_target
+from dflash_stages.train.trainer import weights_digest
 from tests.conftest import REPO
 
-DIGEST = ("from dflash_stages.target import load_target; from dflash_stages.trainer import weights_digest; "
+DIGEST = ("from dflash_model.target.load import load_target; from dflash_stages.train.trainer import weights_digest; "
           "print(weights_digest(load_target('random:tiny', 'cpu', 'float32', 'sdpa')[0]).hex())")
 
 

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from dflash_stages.spec_batch import one_by_one, speculative_decode_batch
-from dflash_stages.spec_decode import DraftRequest, greedy_decode, ngram_drafter, oracle_drafter, speculative_decode
-from dflash_stages.target import FeatureCapture
+from dflash_model.target.spec_batch import one_by_one, speculative_decode_batch
+from dflash_model.target.spec_decode import DraftRequest, greedy_decode, ngram_drafter, oracle_drafter, speculative_decode
+from dflash_model.target.capture import FeatureCapture
 from tests.stages.test_evaluate import B, target  # noqa: F401 (the fixture)
 
 LAYERS = [0, 1]
@@ -81,8 +81,8 @@ def test_bf16_check_passes_the_loop_and_fails_a_planted_acceptance_bug(tmp_path_
     accepting one draft too many puts a token far below the target's choice there: a failure."""
     import transformers
 
-    import dflash_stages.spec_decode as sd
-    from dflash_stages.eval_runs import TIE_TOLERANCE, check_outputs, decode_all, reference_decode
+    import dflash_model.target.spec_decode as sd
+    from dflash_stages.evaluate.runs import TIE_TOLERANCE, check_outputs, decode_all, reference_decode
     from tests.stages.online_fixtures import tiny_target
 
     path = tiny_target(tmp_path_factory.getbasetemp(), layers=2, hidden=32, vocab=151936, initializer_range=0.5)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dflash_core.stage import StageContext
-from dflash_stages.tokenize import ChatTemplateTokenize, TokenizeConfig, stats_table
+from dflash_stages.tokenize.stage import ChatTemplateTokenize, TokenizeConfig, stats_table
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 

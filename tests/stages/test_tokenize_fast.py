@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dflash_stages.tokenize_fast import fast_encoder_for
+from dflash_stages.tokenize.fast import fast_encoder_for
 
 ASCII = list("aAbZz09 \t\n\r\x0b\x0c\x1c\x1f\x00\x7f'sStTmMdDlLrReEvV.,;:!?-_()[]{}<>/\\\"`~@#$%^&*+=|")
 ASCII += ["<|im_end|>", "<think>", "</think>", "<|im_start|>", "<tool_call>", "'ll", "'RE", "\r\n",

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dflash_stages import tokenize_masks
+from dflash_stages.tokenize import masks as tokenize_masks
 from tests.stages.test_tokenize import (MULTI, R_2P2, pairs, run_stage, supervised_spans,
                                         write_jsonl)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_stages.tokenize_output import check_invariant
+from dflash_stages.tokenize.output import check_invariant
 from tests.stages.test_tokenize import run_stage
 
 DATA = Path(__file__).parent / "data" / "bad_records"

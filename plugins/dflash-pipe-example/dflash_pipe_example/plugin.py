@@ -1,5 +1,5 @@
 """Two stages written against the public dflash-pipe API (``dflash_core``) and the built-in
-reader of tokenize's output (``dflash_stages.packing.SampleIndex``)."""
+reader of tokenize's output (``dflash_stages.pack.packing.SampleIndex``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class SequentialPack(Stage):
     inputs = ("samples",)
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
-        from dflash_stages.packing import SampleIndex  # tokenize's shards, or inline samples
+        from dflash_stages.pack.packing import SampleIndex  # tokenize's shards, or inline samples
 
         index = SampleIndex.build(inputs["samples"])
         try:
@@ -74,7 +74,7 @@ class LengthHistogram(Stage):
     default_link = "materialize"
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
-        from dflash_stages.packing import SampleIndex
+        from dflash_stages.pack.packing import SampleIndex
 
         index = SampleIndex.build(inputs["samples"])
         buckets: dict[int, int] = {}

@@ -1,0 +1,38 @@
+"""Switches of the fast paths: whether to compile, whether our Triton kernels can run, and the
+peak memory a stage reports. Torch is imported only inside ``peak_gib``, so stage configs can check
+their ``compile`` setting without it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+
+def check_compile_setting(setting: str) -> None:
+    """A stage config's ``compile`` must be auto, on or off (checked before anything runs)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, got {setting!r}")
+
+
+def compile_wanted(setting: str, device: object) -> bool:
+    """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
+    Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""
+    return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
+
+
+def triton_installed() -> bool:
+    """Whether our Triton kernels (AdamW, the loss chunk) can be used on CUDA: triton is importable
+    (CUDA builds of torch bring it; checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def peak_gib(device: Any) -> float | None:
+    """Peak memory torch allocated on ``device`` so far, in GiB (None off CUDA): the figure to
+    compare with the GPU's size when placing stages (the CUDA context and the allocator's cache
+    come on top)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

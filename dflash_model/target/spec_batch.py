@@ -1,0 +1,153 @@
+"""Greedy speculative decoding of many prompts at once, for dense targets (one forward per cycle).
+
+The per-prompt loop (:func:`dflash_model.target.spec_decode.speculative_decode`) crops the KV cache to the
+accepted tokens. A batch cannot be cropped row by row, so here nothing is cropped: every cycle
+appends the same number of slots W to every row (the block of the row with the most drafts), and an
+attention mask says which slots are real:
+
+    slots  [prompt (right-padded) | cycle 1: last, drafts…, pad | cycle 2: … ]
+    valid   1 1 1 1 0 0              1    1 1 0 0 0                …
+
+After the verify forward, a row's slots for its last token and its accepted drafts stay valid; its
+rejected drafts and padding are masked for every later query. Positions are given per row, so RoPE
+sees each row's own token positions whatever slot they sit in. Prompts are right-padded so that
+every query has at least one real key (its row's first prompt token). Each row's output is then
+the target's greedy decode, as in the per-prompt loop; a finished row keeps riding along, masked.
+
+Linear-attention layers (hybrid targets) fold every slot into their state and cannot be masked:
+those targets use the per-prompt loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from dflash_model.target import spec_cache, spec_decode
+from dflash_model.target.spec_decode import DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache
+from dflash_model.target.capture import FeatureCapture
+
+BatchDrafter = Callable[[list[DraftRequest]], list[Sequence[int]]]
+
+
+def one_by_one(drafter: Drafter) -> BatchDrafter:
+    """A per-request drafter (n-gram, an oracle, a test's) as a batch drafter."""
+    return lambda reqs: [drafter(r) for r in reqs]
+
+
+def dflash_batch_drafter(drafter: nn.Module, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> BatchDrafter:
+    """The DFlash drafter drafting every sequence's block in one forward (``draft_blocks``)."""
+    from dflash_model.drafter import draft_blocks
+
+    dtype = next(drafter.parameters()).dtype
+
+    def draft(reqs: list[DraftRequest]) -> list[list[int]]:
+        if any(r.features is None for r in reqs):
+            raise ValueError("the DFlash drafter needs target features: pass layer_ids")
+        out = draft_blocks(drafter, [r.features.to(dtype) for r in reqs], [r.positions for r in reqs],
+                           [r.last_token for r in reqs], embed_weight, lm_head_weight,
+                           [r.last_position for r in reqs]).tolist()
+        return [o[:r.max_tokens] for o, r in zip(out, reqs)]
+
+    return draft
+
+
+def supports_batch(model: nn.Module) -> bool:
+    """Whether the target's cache can be masked instead of cropped (no linear-attention state)."""
+    return not spec_cache.linear_state_layers(new_cache(model))
+
+
+@torch.no_grad()
+def _forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: Any,
+             capture: FeatureCapture | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [R, W, V], features [R, W, k*H] or None) of W new slots per row; ``valid`` [R, S+W]."""
+    cache_arg, takes_cache_position = forward_kwargs(model)
+    kw: dict[str, Any] = {"input_ids": ids, "position_ids": positions,
+                          "attention_mask": valid.to(ids.device, torch.long),
+                          cache_arg: cache, "use_cache": True}
+    if takes_cache_position:  # slots, not positions: the cache is indexed by slot
+        kw["cache_position"] = torch.arange(valid.shape[1] - ids.shape[1], valid.shape[1], device=ids.device)
+    if capture is None:
+        return model(**kw).logits, None
+    return capture.record(lambda: model(**kw).logits)
+
+
+@torch.no_grad()
+def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]], drafter: BatchDrafter,
+                             block_size: int, max_new_tokens: int, layer_ids: Sequence[int] | None = None,
+                             eos_token_id: int | Iterable[int] | None = None, pad_id: int = 0,
+                             capture: FeatureCapture | None = None) -> list[DecodeResult]:
+    """:func:`dflash_model.target.spec_decode.speculative_decode` of every prompt, one target forward per
+    cycle for all of them; same results (each row is its prompt's greedy decode)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    if not supports_batch(model):
+        raise ValueError("a target with linear-attention layers cannot be decoded in a batch: "
+                         "use spec_decode.speculative_decode per prompt")
+    eos = eos_set(eos_token_id)
+    if capture is None and layer_ids is not None:
+        capture = FeatureCapture(model, layer_ids)
+    dev = next(model.parameters()).device
+    R, P = len(prompts), max(len(p) for p in prompts)
+    cache = new_cache(model)
+    ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
+    valid = torch.zeros((R, P), dtype=torch.bool)  # on the host; one copy per forward
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(list(p), device=dev)
+        valid[r, :len(p)] = True
+    logits, feats = _forward(model, ids, torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
+    tokens = [[int(t) for t in p] for p in prompts]
+    ctx_feats: list[list[torch.Tensor]] = [[feats[r, :len(p)]] if feats is not None else []
+                                           for r, p in enumerate(prompts)]
+    results = []
+    for r, p in enumerate(prompts):
+        first = int(logits[r, len(p) - 1].argmax())
+        tokens[r].append(first)
+        results.append(DecodeResult(tokens=[first], block_size=block_size))
+    live = [len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos for res in results]
+    while any(live):
+        rows = [r for r in range(R) if live[r]]
+        reqs = []
+        for r in rows:
+            n_ctx = len(tokens[r]) - 1
+            want = min(block_size - 1, max_new_tokens - len(results[r].tokens) - 1)
+            reqs.append(DraftRequest(features=torch.cat(ctx_feats[r]) if ctx_feats[r] else None,
+                                     positions=torch.arange(n_ctx, device=dev), tokens=tokens[r],
+                                     last_token=tokens[r][-1], last_position=n_ctx, max_tokens=want))
+        proposed = drafter([q for q in reqs if q.max_tokens > 0]) if any(q.max_tokens > 0 for q in reqs) else []
+        it = iter(proposed)
+        drafts = [[int(t) for t in list(next(it))[:q.max_tokens]] if q.max_tokens > 0 else [] for q in reqs]
+        W = 1 + max(len(d) for d in drafts)
+        # the block, its positions and its mask are built on the host and sent in one copy each:
+        # per-row writes into device tensors would cost a launch per row and cycle
+        block = [[pad_id] * W for _ in range(R)]
+        pos = [[0] * W for _ in range(R)]
+        new_valid = [[False] * W for _ in range(R)]
+        for r, q, d in zip(rows, reqs, drafts):
+            block[r][:1 + len(d)] = [q.last_token] + d
+            pos[r] = list(range(q.last_position, q.last_position + W))
+            new_valid[r][:1 + len(d)] = [True] * (1 + len(d))
+        valid = torch.cat([valid, torch.tensor(new_valid)], 1)
+        block, pos = torch.tensor(block, device=dev), torch.tensor(pos, device=dev)
+        logits, feats = _forward(model, block, pos, valid, cache, capture)
+        target = logits.argmax(-1).tolist()
+        for r, q, d in zip(rows, reqs, drafts):
+            n = spec_decode.accepted_prefix(d, target[r])
+            valid[r, valid.shape[1] - W + n + 1:] = False  # the rejected drafts: never seen again
+            if feats is not None:
+                ctx_feats[r].append(feats[r, :n + 1])
+            res = results[r]
+            res.drafted.append(len(d))
+            res.budget.append(q.max_tokens)
+            res.anchors.append(q.last_position)
+            res.accepted.append(n)
+            for t in d[:n] + [int(target[r][n])]:
+                tokens[r].append(t)
+                res.tokens.append(t)
+                if t in eos:
+                    break
+            res.tokens = res.tokens[:max_new_tokens]
+            live[r] = len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos
+    return results

@@ -1,0 +1,131 @@
+"""The measurements behind an evaluate report: decode every prompt with a drafter, summarize the
+cycles, and check each output against the target's own greedy decode.
+
+The check and bf16. A batched verify forward and a one-token decode add the same numbers in another
+order; in bf16 that can turn a near-tie between the target's two best tokens the other way, and from
+there the outputs differ without anything being wrong. So a divergence is judged where it starts:
+the target scores the common prefix once more, and if the two tokens' logits lie within
+``tie_tolerance`` of each other (relative to the larger logit), it is a near tie, reported but not a
+failure; anything wider is a real mismatch. In fp32 the tolerance is tight enough that any logic
+error (a wrong token accepted, a stale cache row) still fails.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dflash_model.target.spec_decode import DecodeResult, Drafter, speculative_decode, tau_histogram
+
+TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+"""Relative logit gap under which a divergence counts as a near tie, by the target's dtype."""
+
+
+@dataclass
+class DecodeRun:
+    """One drafter over all prompts."""
+
+    results: list[DecodeResult]
+    seconds: float
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [r.tokens for r in self.results]
+
+    def summary(self, block_size: int) -> dict[str, Any]:
+        """τ over cycles with a whole block of draft budget (the last cycles before max_new_tokens are
+        cut short and would bias short outputs down; ``tau_all`` counts every cycle), histogram, totals."""
+        acc = [a for r in self.results for a in r.accepted]
+        full = [a for r in self.results for a in r.full_accepted]
+        drafted = sum(sum(r.drafted) for r in self.results)
+        generated = sum(len(r.tokens) for r in self.results)
+        return {"tau": mean_tau(full) if full else mean_tau(acc), "tau_all": mean_tau(acc),
+                "full_cycles": len(full), "cycles": len(acc), "drafted": drafted, "accepted": sum(acc),
+                "acceptance_rate": sum(acc) / drafted if drafted else None,
+                "tau_histogram": tau_histogram(acc, block_size), "generated_tokens": generated,
+                "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(generated / self.seconds, 1) if self.seconds else None}
+
+
+def mean_tau(accepted: Sequence[int]) -> float:
+    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
+
+
+def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, block_size: int,
+               max_new_tokens: int, layer_ids: Sequence[int] | None, eos: set[int], batch_size: int,
+               batch_drafter: Callable | None = None,
+               progress: Callable[[list[DecodeResult]], None] | None = None) -> DecodeRun:
+    """Speculative decoding of every prompt: ``batch_size`` prompts per target forward on dense
+    targets (``batch_drafter`` drafts a batch at once, else ``drafter`` one by one), one by one on
+    hybrid targets. ``progress(results so far)`` after each batch."""
+    from dflash_model.target.spec_batch import one_by_one, speculative_decode_batch, supports_batch
+
+    t0 = time.perf_counter()
+    results: list[DecodeResult] = []
+    if supports_batch(target):
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            results += speculative_decode_batch(target, chunk, batch_drafter or one_by_one(drafter), block_size,
+                                                max_new_tokens, layer_ids, eos)
+            if progress:
+                progress(results)
+    else:
+        for p in prompts:
+            results.append(speculative_decode(target, p, drafter, block_size, max_new_tokens, layer_ids, eos))
+            if progress:
+                progress(results)
+    _sync(target)
+    return DecodeRun(results, time.perf_counter() - t0)
+
+
+def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],
+                     pad_id: int, batch_size: int) -> tuple[list[list[int]], float]:
+    """The target's plain greedy decode by HF ``generate`` (batched on dense targets), and its seconds."""
+    from dflash_model.target.generate import complete
+    from dflash_model.target.spec_batch import supports_batch
+
+    step = batch_size if supports_batch(target) else 1
+    t0 = time.perf_counter()
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), step):
+        out += [c.ids for c in complete(target, prompts[i:i + step], max_new_tokens=max_new_tokens,
+                                        eos=sorted(eos), pad_id=pad_id)]
+    _sync(target)
+    return out, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def check_outputs(target: Any, prompts: Sequence[Sequence[int]], refs: Sequence[Sequence[int]],
+                  outputs: Sequence[Sequence[int]], who: str, tie_tolerance: float
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(mismatches, near_ties) of ``outputs`` against ``refs``, judged at the first differing token."""
+    from dflash_model.target.spec_decode import first_mismatch
+
+    dev = next(target.parameters()).device
+    mismatches, ties = [], []
+    for i, (prompt, ref, got) in enumerate(zip(prompts, refs, outputs)):
+        at = first_mismatch(ref, got)
+        if at is None:
+            continue
+        entry = {"prompt": i, "drafter": who, "index": at, "expected": list(ref[at:at + 8]),
+                 "got": list(got[at:at + 8])}
+        if at < len(ref) and at < len(got):
+            ids = torch.tensor([list(prompt) + list(ref[:at])], device=dev)
+            logits = target(input_ids=ids).logits[0, -1].float()
+            a, b = float(logits[ref[at]]), float(logits[got[at]])
+            entry["logit_gap"] = round(abs(a - b), 5)
+            entry["tolerance"] = round(tie_tolerance * max(1.0, abs(a), abs(b)), 5)
+            if entry["logit_gap"] <= entry["tolerance"]:
+                ties.append(entry)
+                continue
+        mismatches.append(entry)  # a wide gap, or one output ended where the other went on
+    return mismatches, ties
+
+
+def _sync(model: Any) -> None:
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

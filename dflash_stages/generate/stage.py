@@ -1,0 +1,240 @@
+"""generate:hf — the target's own completions of prompts, in the records tokenize reads.
+
+A drafter learns to predict the *target's* next tokens; trained on someone else's responses it learns
+a distribution it will never be asked to draft. This stage regenerates the responses with the target
+(the step the production job ran by hand): prompts in, one record per prompt out::
+
+    {"id", "messages": [...prompt, {"role": "assistant", "content": completion}], "finish", "source", "line"}
+
+* Prompts are DESIGN §6 records (``messages``, ShareGPT ``conversations``, or ``prompt``): the
+  conversation before the last assistant turn (:func:`dflash_stages.generate.prompts.record_messages`), rendered
+  with the chat template's generation prompt (``thinking`` for Qwen templates).
+* Records without a usable prompt (undecodable, empty, unknown format, longer than
+  ``max_prompt_tokens``, a template error) are skipped, written to ``skipped.jsonl`` with the reason
+  and counted in the summary; they never stop the run.
+* The prompts are cut into shards of ``shard_records``; each shard is generated in batches of
+  similar prompt length and written to ``cache_dir`` by temp-file + rename. A shard on disk is never
+  generated again, so a killed run loses at most the shard it was working on. Sampling is seeded per
+  batch, so a resumed run writes what an uninterrupted one would have.
+* The backend is HF ``generate`` (offline, any causal LM ``load_target`` loads); another engine is
+  another ``generate:`` implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Mapping
+
+from dflash_core.stage import Stage, StageContext
+from dflash_stages.generate.prompts import PromptError, record_messages, render_prompt
+
+SKIP_REASONS = {
+    "invalid_utf8": "the line is not valid UTF-8",
+    "invalid_json": "the line is not valid JSON",
+    "not_an_object": "the JSON value is not an object",
+    "unknown_format": "neither 'messages', 'conversations' nor 'prompt'",
+    "bad_messages": "'messages' / 'conversations' malformed",
+    "empty": "no message with text besides the system prompt",
+    "template_error": "the chat template raised an error on the prompt",
+    "over_length": "the rendered prompt is longer than max_prompt_tokens",
+}
+
+
+@dataclass
+class GenerateConfig:
+    model: str = "smollm2"
+    """Target model: path, hub name, ``smollm2`` or ``random:…``."""
+    max_new_tokens: int = 512
+    """Longest completion; longer ones are cut (``finish: length``)."""
+    max_prompt_tokens: int = 2048
+    """Longer prompts are skipped (``over_length``)."""
+    batch_size: int = 64
+    """Prompts per ``generate`` call (sorted by length, so padding stays small)."""
+    shard_records: int = 512
+    """Prompts per output shard: the most a killed run loses."""
+    temperature: float = 0.0
+    """0: greedy; above 0: sampling (``top_p``, ``seed``)."""
+    top_p: float = 1.0
+    seed: int = 0
+    thinking: bool | None = None
+    """``enable_thinking`` for templates that read it (Qwen3/3.5/3.6); None: the template's default."""
+    limit: int | None = None
+    """Use the first N usable prompts only."""
+    dtype: str = "auto"
+    """Target dtype: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32."""
+
+    def __post_init__(self) -> None:
+        if min(self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.shard_records) < 1:
+            raise ValueError("max_new_tokens, max_prompt_tokens, batch_size and shard_records must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("limit must be >= 1")
+
+
+@dataclass
+class _Prompt:
+    id: str
+    source: str
+    line: int
+    messages: list[dict[str, Any]]
+    ids: list[int]
+
+
+class HFGenerate(Stage):
+    """The target's completions of prompt records (HF ``generate``, batched, resumable)."""
+
+    kind = "generate"
+    name = "hf"
+    preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
+    version = "1"
+    Config = GenerateConfig
+    inputs = ("files",)
+    default_link = "materialize"
+    default_executor = "thread"
+    needs_torch = True
+
+    def run(self, inputs: Mapping[str, Any], ctx: StageContext) -> Iterator[dict]:
+        import torch
+
+        from dflash_model.target.generate import GpuBusy
+        from dflash_stages.generate.prompts import eos_ids
+        from dflash_model.target.load import load_target
+        from dflash_stages.tokenize.stage import file_items
+
+        cfg: GenerateConfig = self.config
+        items = file_items(inputs["files"])
+        device = ctx.device or "cpu"
+        model, tok = load_target(cfg.model, device=device, dtype=cfg.dtype)
+        skipped: dict[str, int] = {}
+        with open(os.path.join(ctx.work_dir, "skipped.jsonl"), "w", encoding="utf-8") as skip_file:
+            prompts = list(self._prompts(items, tok, cfg, skipped, skip_file))
+        shard_dir = os.path.join(ctx.cache_dir, self._key(items))
+        os.makedirs(shard_dir, exist_ok=True)
+        eos = sorted(eos_ids(model, tok))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        stats = {"prompts": len(prompts), "skipped": skipped, "records_out": 0, "generated_tokens": 0,
+                 "finish_stop": 0, "finish_length": 0, "shards": 0, "resumed_shards": 0,
+                 "generate_s": 0.0, "tokens_per_s": None, "gpu_busy": None}
+        ctx.summary.update(stats)
+        ctx.logger.info("generate: %d prompts (%d skipped) -> %s", len(prompts), sum(skipped.values()), shard_dir)
+        ctx.progress(0, total=len(prompts), unit="prompts")
+        busy_samples: list[int] = []
+        S = cfg.shard_records
+        for k in range(0, len(prompts), S):
+            if ctx.should_stop():
+                return
+            path = os.path.join(shard_dir, f"shard-{k // S:05d}.jsonl")
+            shard = prompts[k:k + S]
+            if os.path.exists(path):
+                stats["resumed_shards"] += 1
+                records = [json.loads(x) for x in open(path, encoding="utf-8")]
+            else:
+                t0 = time.perf_counter()
+                with GpuBusy(torch.device(device)) as busy:
+                    records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok)
+                stats["generate_s"] += time.perf_counter() - t0
+                busy_samples += busy.samples
+                _write_atomic(path, records)
+                stats["generated_tokens"] += sum(r["tokens"] for r in records)
+            for r in records:
+                stats[f"finish_{r['finish']}"] += 1
+            stats["records_out"] += len(records)
+            stats["shards"] += 1
+            if stats["generate_s"]:
+                stats["tokens_per_s"] = round(stats["generated_tokens"] / stats["generate_s"], 1)
+            if busy_samples:
+                stats["gpu_busy"] = round(sum(busy_samples) / len(busy_samples) / 100, 3)
+            ctx.summary.update(stats)
+            ctx.progress(len(shard), total=len(prompts), unit="prompts",
+                         tokens=sum(r["tokens"] for r in records))
+            yield {"path": path, "source": f"generate/{os.path.basename(path)}", "records": len(records),
+                   "size": os.path.getsize(path)}
+        if not prompts:
+            raise ValueError(f"generate: no usable prompt in {len(items)} file(s); skipped {skipped} "
+                             f"(see {os.path.join(ctx.work_dir, 'skipped.jsonl')})")
+
+    @staticmethod
+    def _prompts(items: list[dict], tok: Any, cfg: GenerateConfig, skipped: dict[str, int],
+                 skip_file: Any) -> Iterator[_Prompt]:
+        """Usable prompts of all files in order; every other record counted and logged by reason."""
+        import fsspec
+
+        n = 0
+        for item in items:
+            source = str(item.get("source") or item["path"])
+            with fsspec.open(item["path"], "rb", compression="infer") as f:
+                for line_no, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        record = _parse(raw, line_no == 1)
+                        messages = record_messages(record)
+                        ids = render_prompt(tok, messages, cfg.thinking)
+                        if len(ids) > cfg.max_prompt_tokens:
+                            raise PromptError("over_length", f"{len(ids)} > {cfg.max_prompt_tokens} tokens")
+                    except PromptError as exc:
+                        skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
+                        skip_file.write(json.dumps({"file": source, "line": line_no, "reason": exc.reason,
+                                                    "detail": str(exc)[:300]}, ensure_ascii=False) + "\n")
+                        continue
+                    yield _Prompt(str(record.get("id", f"{source}:{line_no}")), source, line_no, messages, ids)
+                    n += 1
+                    if cfg.limit is not None and n >= cfg.limit:
+                        return
+
+    @staticmethod
+    def _generate_shard(model: Any, shard: list[_Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
+                        shard_no: int, tok: Any) -> list[dict]:
+        """Records of one shard, in prompt order; batches are formed longest prompt first."""
+        from dflash_model.target.generate import complete
+
+        order = sorted(range(len(shard)), key=lambda i: -len(shard[i].ids))
+        out: list[dict | None] = [None] * len(shard)
+        for b in range(0, len(order), cfg.batch_size):
+            batch = order[b:b + cfg.batch_size]
+            seed = cfg.seed * 1_000_003 + shard_no * 1009 + b // cfg.batch_size
+            done = complete(model, [shard[i].ids for i in batch], max_new_tokens=cfg.max_new_tokens, eos=eos,
+                            pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+            for i, c in zip(batch, done):
+                p = shard[i]
+                text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)
+                out[i] = {"id": p.id, "messages": p.messages + [{"role": "assistant", "content": text}],
+                          "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line}
+        return [r for r in out if r is not None]
+
+    def _key(self, items: list[dict]) -> str:
+        """Shard folder name: what the completions depend on (params, inputs), nothing else."""
+        params = asdict(self.config)  # batch_size too: it sets the sampling seeds and the padding
+        inputs = [(it.get("source") or it["path"], it.get("size"), it.get("etag")) for it in items]
+        blob = json.dumps({"v": self.version, "params": params, "inputs": inputs}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @classmethod
+    def report(cls, summary: dict[str, Any]) -> Any:
+        skipped = summary.get("skipped") or {}
+        return (f"generate: {summary.get('records_out', 0)} completions of {summary.get('prompts', 0)} prompts "
+                f"({summary.get('finish_length', 0)} cut at max_new_tokens), {summary.get('generated_tokens', 0)} "
+                f"tokens at {summary.get('tokens_per_s')} tokens/s, GPU busy {summary.get('gpu_busy')}; "
+                f"skipped {sum(skipped.values())} {dict(sorted(skipped.items()))}")
+
+
+def _parse(raw: bytes, first_line: bool) -> dict:
+    """The JSON object of one line, with tokenize's reasons for one that is not."""
+    from dflash_stages.tokenize.records import RecordError, parse_line
+
+    try:
+        return parse_line(raw, first_line=first_line)[0]
+    except RecordError as exc:
+        raise PromptError(exc.reason, exc.detail) from None
+
+
+def _write_atomic(path: str, records: list[dict]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    os.replace(tmp, path)
