@@ -119,8 +119,7 @@ def main() -> int:
     for k, msg in failures.items():
         print(f"{k:12} FAILED: {msg}")
     # Pass: flex is as close to the fp32 reference as bf16 SDPA is (it adds no error beyond bf16
-    # rounding, which over 5 layers is ~1e-2..4e-2 relative), or, without a reference, the two
-    # bf16 paths agree within --tol.
+    # rounding), or, without a reference, the two bf16 paths agree within --tol.
     sdpa_ref = table.get("bf16 sdpa vs fp32 sdpa")
     checked = [table[k] for k in ("bf16 flex vs fp32 sdpa", "bf16 compiled vs fp32 sdpa") if k in table]
     if checked and sdpa_ref:

@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.fast.settings import compile_wanted
-from dflash_model.drafter.attention import flex_kernel_options, flex_tile, resolve_backend
+from dflash_model.drafter.attention import resolve_backend
+from dflash_model.fast import tune_drafter
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast.optim import adamw, clipped_step
 from dflash_model.fast import compile_cache
@@ -126,10 +127,8 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> di
     g = row["generator"] if dev.type == "cpu" else torch.Generator(dev).manual_seed(args.seed)
     with dev:
         model = DFlashDrafter(cfg, attn_backend=backend).to(dtype=dtype)
-    model.flex_kernel_options = flex_kernel_options(getattr(args, "flex_options", "auto"), dev,
-                                                    model.config.head_dim, dtype)
-    model.flex_tile = flex_tile(getattr(args, "flex_tile", "auto"), dev, model.config.head_dim, dtype,
-                                model.flex_kernel_options)
+    tune_drafter(model, dev, dtype, kernel_options=getattr(args, "flex_options", "auto"),
+                 tile=getattr(args, "flex_tile", "auto"))
     k = len(model.config.target_layer_ids)
     return dict(
         model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
@@ -600,7 +599,7 @@ def main() -> int:
                         'null (torch\'s defaults) or JSON, e.g. \'{"bwd_num_warps": 4}\'')
     p.add_argument("--flex-tile", type=lambda v: v if v == "auto" else int(v), default="auto",
                    help="the flex BlockMask's tile: auto (the one measured fastest for this GPU, see "
-                        "attention.TUNED_FLEX_TILE) or 16/32/64/128")
+                        "fast/flex.py TUNED_FLEX_TILE) or 16/32/64/128")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also capture the whole step as a CUDA graph and time its replays (CUDA, prototype)")
     p.add_argument("--compile-cache", type=Path, default=None,

@@ -145,10 +145,10 @@ class DFlashDrafter(nn.Module):
     ``DrafterConfig`` is also accepted (the other shape arguments are then ignored).
     ``attn_backend``: "auto" (flex on CUDA, sdpa otherwise), "flex" or "sdpa".
     ``flex_kernel_options`` (attribute, default None = torch's defaults): Triton block sizes etc.
-    passed to flex_attention as ``kernel_options``; set after the model is on its device (see
-    ``attention.flex_kernel_options``). They change speed, not results beyond rounding.
-    ``flex_tile`` (attribute, default ``mask.TILE``): the BlockMask's tile; set it from
-    ``attention.flex_tile``, which also lets torch's flex backward compile for tiles below 128.
+    passed to flex_attention as ``kernel_options``; ``flex_tile`` (attribute, default
+    ``mask.TILE``): the BlockMask's tile. Both are set by ``dflash_model.fast.tune_drafter``
+    before the first compile (it also lets torch's flex backward compile for tiles below 128).
+    They change speed, not results beyond rounding.
     ``compile_layers()`` compiles the draft layer's two halves once (all layers share the graphs).
     """
 
@@ -192,8 +192,8 @@ class DFlashDrafter(nn.Module):
         compiles in a fraction of the time of the whole model. The parameters are graph inputs,
         so the layers do not recompile one another. The MLP half is compiled for any number of
         rows (the last layer's runs on fewer, see ``forward``). The two norms outside the layers
-        (context, output) are compiled too: eager, their float32 passes and backward took ~3 ms
-        of the H200 step."""
+        (context, output) are compiled too: eager, their float32 passes and backward are separate
+        kernels over every row."""
         self._attend = torch.compile(_attend, **options)
         any_rows = {**options, "options": {**_any_rows_inductor_options(), **options.get("options", {})}}
         self._feed_forward = torch.compile(_feed_forward, **any_rows)

@@ -59,7 +59,7 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
-    from dflash_model.drafter.attention import _flex_fn
+    from dflash_model.fast.flex import flex_attention_fn
 
     if not isinstance(attention_mask, BlockMask):
         raise TypeError(f"attn_implementation {NAME!r} needs the BlockMask of "
@@ -74,8 +74,8 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if group & (group - 1):  # some torch versions want power-of-2 GQA groups (torch#143117):
         key = key.repeat_interleave(group, dim=1)  # expand the few kv heads instead (e.g.
         value = value.repeat_interleave(group, dim=1)  # SmolLM2: 9 query / 3 kv heads)
-    out = _flex_fn(compiled)(query, key, value, block_mask=attention_mask, scale=scaling,
-                             enable_gqa=query.shape[1] != key.shape[1])
+    out = flex_attention_fn(compiled)(query, key, value, block_mask=attention_mask, scale=scaling,
+                                      enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -14,7 +14,7 @@ from dflash_core.artifacts import read_json
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.settings import compile_wanted, peak_gib
 from dflash_model.drafter import drafter_loss, sample_anchors
-from dflash_model.drafter.attention import flex_kernel_options, flex_tile
+from dflash_model.fast import tune_drafter
 from dflash_model.fast.optim import adamw, clipped_step
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
@@ -50,10 +50,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = build_drafter(header, cfg, self.ctx)
         self.model = model.to(device=self.device, dtype=self.dtype)
-        model.flex_kernel_options = flex_kernel_options(cfg.flex_kernel_options, self.device,
-                                                        model.config.head_dim, self.dtype)
-        model.flex_tile = flex_tile(cfg.flex_tile, self.device, model.config.head_dim, self.dtype,
-                                    model.flex_kernel_options)  # before anything compiles
+        tune_drafter(model, self.device, self.dtype, kernel_options=cfg.flex_kernel_options,
+                     tile=cfg.flex_tile)  # before anything compiles
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()

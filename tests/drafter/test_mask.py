@@ -103,7 +103,7 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
     with torch.no_grad():
         outs = [model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend=b)
                 for b in ("sdpa", "flex")]
-        model.flex_tile = 16  # a smaller BlockMask tile (attention.allow_flex_tile): the same result
+        model.flex_tile = 16  # a smaller BlockMask tile (see fast.flex): the same result
         outs.append(model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend="flex"))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-4)
@@ -119,7 +119,7 @@ def test_flex_forward_equals_sdpa_forward_on_cpu():
 @pytest.mark.parametrize("tile", [128, 64])
 def test_flex_block_mask_equals_create_block_mask(T, lengths, n, B, pad_to, tile):
     """The BlockMask built from per-block counts is create_block_mask's, field for field, at
-    torch's default tile and at the H200's (attention.TUNED_FLEX_TILE)."""
+    torch's default tile and at the H200's (fast.flex.TUNED_FLEX_TILE)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash_model.drafter.anchors import pad_anchors

@@ -211,14 +211,14 @@ def inductor_choices():
 
 
 def test_flex_tile_choices_cap_the_backward_configs(monkeypatch, inductor_choices):
-    """allow_flex_tile's Inductor choices offer torch's flex backward configs with every block
+    """The tile hook's Inductor choices offer torch's flex backward configs with every block
     size cut to the tile: torch's own sm90 list (capability faked, the heuristics are host code)
     becomes one that fits 64-tiles; the calling thread uses them at once; a choices class that is
     not ours is never replaced."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
-    from dflash_model.drafter.attention import _tile_choices, allow_flex_tile
+    from dflash_model.fast.flex import _allow_flex_tile, _tile_choices
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     fields = ("block_m1", "block_n1", "block_m2", "block_n2", "num_stages", "num_warps")
@@ -227,37 +227,69 @@ def test_flex_tile_choices_cap_the_backward_configs(monkeypatch, inductor_choice
     assert [[getattr(c, f) for f in fields] for c in plain] == [[64, 128, 128, 64, 3, 8]]
     assert [[getattr(c, f) for f in fields] for c in capped] == [[64, 64, 64, 64, 3, 8]]
     assert _tile_choices(8).uuid() == "dflash-flex-tile-8"
-    allow_flex_tile(64)
-    allow_flex_tile(32)  # ours may be replaced by ours
+    _allow_flex_tile(64)
+    _allow_flex_tile(32)  # ours may be replaced by ours
     assert inductor_choices.inductor_choices_class().uuid() == "dflash-flex-tile-32"
     assert V.choices.uuid() == "dflash-flex-tile-32"
     inductor_choices.inductor_choices_class = InductorChoices
     with pytest.raises(RuntimeError, match="flex tile 64: Inductor's choices are already replaced"):
-        allow_flex_tile(64)
+        _allow_flex_tile(64)
 
 
-def test_flex_tile_resolution(monkeypatch, inductor_choices):
+def test_flex_tile_choice(monkeypatch, inductor_choices):
     """auto -> 64 on an H200 (bf16, head dim 128) when the kernel options fit it, else 128; 128 on
-    CPU and on GPUs not in the table, with Inductor left alone; a given tile is used and checked
-    against the options; the train param takes auto or a power of two from 16 to 128."""
-    from dflash_model.drafter.attention import TUNED_FLEX_OPTIONS, flex_tile
+    CPU and on GPUs not in the table; a given tile is used and checked against the options;
+    choosing never touches Inductor; the train param takes auto or a power of two from 16 to 128."""
+    from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_tile
     from dflash_stages.train.stage import TrainConfig
 
     bf16, cuda = torch.bfloat16, torch.device("cuda")
     tuned = TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]
-    assert flex_tile("auto", torch.device("cpu"), 128, bf16, None) == 128
+    assert flex_choices_class() is None
+    assert choose_tile("auto", torch.device("cpu"), 128, bf16, None) == 128
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert flex_tile("auto", cuda, 128, bf16, tuned) == 128
-    assert inductor_choices.inductor_choices_class is None
+    assert choose_tile("auto", cuda, 128, bf16, tuned) == 128
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert flex_tile("auto", cuda, 128, bf16, {**tuned, "bwd_BLOCK_M2": 128}) == 128
-    assert inductor_choices.inductor_choices_class is None
-    assert flex_tile("auto", cuda, 128, bf16, tuned) == 64
-    assert inductor_choices.inductor_choices_class().uuid() == "dflash-flex-tile-64"
-    assert flex_tile(32, torch.device("cpu"), 128, bf16, None) == 32
+    assert choose_tile("auto", cuda, 128, bf16, {**tuned, "bwd_BLOCK_M2": 128}) == 128
+    assert choose_tile("auto", cuda, 128, bf16, tuned) == 64
+    assert choose_tile(32, torch.device("cpu"), 128, bf16, None) == 32
+    assert flex_choices_class() is None  # chosen, not installed
     with pytest.raises(ValueError, match=r"block sizes \{'fwd_BLOCK_M': 64, 'fwd_BLOCK_N': 64, "):
-        flex_tile(32, cuda, 128, bf16, tuned)
+        choose_tile(32, cuda, 128, bf16, tuned)
     assert TrainConfig(flex_tile=64).flex_tile == 64
     for bad in (48, 256, "fast", True):
         with pytest.raises(ValueError, match="flex_tile must be auto, 16, 32, 64 or 128"):
             TrainConfig(flex_tile=bad)
+
+
+def flex_choices_class() -> object:
+    from torch._inductor import config
+
+    return config.inductor_choices_class
+
+
+def test_tune_drafter_sets_the_chosen_flex_settings(monkeypatch, inductor_choices):
+    """tune_drafter returns the same model with the chosen kernel options and tile; it installs
+    the tile hook (the only caller that does) when the tile is below 128, and leaves Inductor
+    alone otherwise (CPU; a GPU without a tuned tile)."""
+    from dflash_model.fast import tune_drafter
+    from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_kernel_options, choose_tile
+
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    model = make_drafter(num_layers=1, dtype=torch.float32, config_kw=dict(head_dim=128))  # a shape the tables know
+    assert tune_drafter(model, torch.device("cpu"), bf16) is model
+    assert (model.flex_kernel_options, model.flex_tile) == (None, 128)
+    assert flex_choices_class() is None
+    given = {"bwd_num_warps": 4}
+    tune_drafter(model, torch.device("cpu"), bf16, kernel_options=given, tile=128)
+    assert model.flex_kernel_options == given and model.flex_kernel_options is not given
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert tune_drafter(model, cuda, bf16).flex_tile == 128
+    assert flex_choices_class() is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    options = choose_kernel_options("auto", cuda, 128, bf16)
+    assert options == TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]
+    assert choose_tile("auto", cuda, 128, bf16, options) == 64 and flex_choices_class() is None
+    assert tune_drafter(model, cuda, bf16) is model
+    assert (model.flex_kernel_options, model.flex_tile) == (options, 64)
+    assert flex_choices_class()().uuid() == "dflash-flex-tile-64"

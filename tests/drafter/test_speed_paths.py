@@ -127,16 +127,16 @@ def test_compile_cache_round_trip(tmp_path):
 def test_flex_kernel_options_resolution():
     """auto -> the table's options only for a GPU it knows (none on CPU); a mapping is used as
     given (copied); null/{} -> torch's defaults; the train param refuses other strings."""
-    from dflash_model.drafter.attention import TUNED_FLEX_OPTIONS, flex_kernel_options
+    from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_kernel_options
     from dflash_stages.train.stage import TrainConfig
 
     cpu = torch.device("cpu")
-    assert flex_kernel_options("auto", cpu, 128, torch.bfloat16) is None
+    assert choose_kernel_options("auto", cpu, 128, torch.bfloat16) is None
     given = {"bwd_num_warps": 4}
-    got = flex_kernel_options(given, cpu, 128, torch.bfloat16)
+    got = choose_kernel_options(given, cpu, 128, torch.bfloat16)
     assert got == given and got is not given
-    assert flex_kernel_options(None, cpu, 128, torch.bfloat16) is None
-    assert flex_kernel_options({}, cpu, 128, torch.bfloat16) is None
+    assert choose_kernel_options(None, cpu, 128, torch.bfloat16) is None
+    assert choose_kernel_options({}, cpu, 128, torch.bfloat16) is None
     h200 = TUNED_FLEX_OPTIONS[((9, 0), 128, torch.bfloat16)]
     assert h200["bwd_BLOCK_N1"] % h200["bwd_BLOCK_M1"] == 0 and h200["bwd_BLOCK_M2"] % h200["bwd_BLOCK_N2"] == 0
     assert all(128 % h200[k] == 0 for k in h200 if "BLOCK" in k)  # divide the BlockMask's 128 tiles
