@@ -5,7 +5,7 @@ Default: CUDA, bf16, the Qwen3.6-27B text shape with random weights (64 layers =
 1 full]; hidden 5120, MLP 17408; full attention 24 q / 4 kv heads of 256, partial rotary 0.25,
 rope_theta 1e7; linear 16 key / 48 value heads of 128, conv width 4; vocab 248,320), rows of 8,192
 and 16,384 tokens holding 4 documents of uneven lengths and some padding, features of layers
-1,16,31,46,61. The target runs as the extract stage runs it (``load_target`` on a ``random:``
+1,16,31,46,61. The target runs as the extract stage runs it (``load_feature_target`` on a ``random:``
 config, ``FeatureCapture.capture_row``; flash-linear-attention's varlen kernels when installed).
 
 Per row length:
@@ -41,11 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.fast.settings import compile_wanted
-from dflash_model.drafter import default_target_layer_ids
 from dflash_model.target.linear_attention import fla_kernels
 from dflash_model.target.packed_attention import row_attention_mask
-from dflash_model.target.load import PRESETS, load_target
-from dflash_model.target.capture import FeatureCapture, compile_layers, decoder_layers
+from dflash_model.target.capture import FeatureCapture, decoder_layers
+from dflash_model.target.features import load_feature_target
+from dflash_model.target.load import PRESETS
 from online import timed  # noqa: E402  (benchmarks/ is the script's directory)
 
 QWEN36_27B = PRESETS["qwen3.6-27b"]
@@ -132,12 +132,13 @@ def main() -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(raw, f)
     t0 = time.perf_counter()
-    model, _ = load_target(f"random:{f.name}", args.device, args.dtype, args.attn)
+    # eager for the isolation checks (their documents come in many lengths); compiled for the timing
+    target = load_feature_target(f"random:{f.name}", args.device, dtype=args.dtype, attn_implementation=args.attn,
+                                 layers=[int(t) for t in args.layers.split(",")] if args.layers else "auto",
+                                 compile="off")
     Path(f.name).unlink()
+    model, capture, layers = target.model, target.capture, target.layer_ids
     kinds = list(model.config.layer_types)
-    layers = ([int(t) for t in args.layers.split(",")] if args.layers
-              else default_target_layer_ids(len(kinds), 5))
-    capture = FeatureCapture(model, layers)
     H = model.config.hidden_size
     columns: dict[str, list[int]] = {}
     for i, t in enumerate(layers):
@@ -156,7 +157,7 @@ def main() -> int:
 
     compiled = compile_wanted(args.compile, dev)
     if compiled:
-        compile_layers(model)
+        target.compile_layers()
     speed = {}
     for T in tokens:
         row = make_row(rng.integers(0, raw["vocab_size"] - 1, T), [int(T * s) for s in DOC_SHARES], T)

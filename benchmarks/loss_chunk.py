@@ -7,7 +7,7 @@ after 5, each call queued behind a spin kernel): the whole chunk (two products a
 passes alone (``softmax_grad_`` on a logits buffer), at a few tile sizes; also each version's
 first call (its compile). Bandwidth counts three passes over the bf16 logits (read, read, write).
 
-    python benchmarks/loss_chunk.py               # the H200 run
+    python benchmarks/loss_chunk.py               # the default run (CUDA)
     python benchmarks/loss_chunk.py --rows 1920 --variants 4096x4   # larger chunks (--chunk-rows 2048)
     python benchmarks/loss_chunk.py --shape qwen3.6-27b --rows 3840  # the 27B drafter's LM head (V 248,320)
     python benchmarks/loss_chunk.py --tiny        # smoke test (CPU: Triton's interpreter, no Inductor)

@@ -4,7 +4,7 @@ back to back, and the whole pipeline (pack:random -> extract -> train) through t
     python benchmarks/online.py                                   # Qwen3-8B dims, 8,192-token rows
     python benchmarks/online.py --preset qwen3-32b --layers 1,16,31,46,61 --rows 12
     python benchmarks/online.py --device cpu --preset tiny --rows 4 --warmup 1 --anchors 32 --tokens 512
-                                                                  # smoke test (~1 min; the defaults take >15)
+                                                                  # smoke test (the defaults are slow on a CPU)
     python benchmarks/online.py --tokens 16384 --attn both --target-only   # sdpa vs packed_flex
 
 Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target forward =
@@ -39,18 +39,14 @@ from dflash_model.drafter import (
     sample_anchors,
     training_flops,
 )
-from dflash_model.fast.settings import compile_wanted
 from dflash_core.stage import StageContext
 from dflash_model.target.packed_attention import NAME as FLEX
 from dflash_model.target.packed_attention import register, resolve_attn_implementation
 from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
-from dflash_model.target.load import PRESETS, load_target
-from dflash_model.target.capture import FeatureCapture, compile_layers
-from dflash_stages.train.stage import TrainConfig
+from dflash_model.target.features import load_feature_target
+from dflash_model.target.load import PRESETS
+from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.trainer import Trainer
-
-PEAK = 744e12  # bf16 matmul measured on the H200 (DESIGN §8)
-
 
 def timed(fn: Callable[[], Any], device: torch.device) -> float:
     """Seconds for fn(), by CUDA events on a GPU, by the clock elsewhere."""
@@ -82,13 +78,13 @@ def target_flops(model: torch.nn.Module, lengths: list[int], top_layer: int) -> 
     return frac * (2 * layer_params * L * T + L * attn)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per row; default 8192 on CUDA, 2048 on CPU (a smoke test there: "
-                        "flex_attention runs eager and unfused on CPU, ~1 min per 8k-token row)")
+                        "flex_attention runs eager and unfused on CPU, many times slower)")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", default="auto")
@@ -104,7 +100,11 @@ def main() -> None:
                         "two GPUs); the parts alone and back to back stay on --device")
     p.add_argument("--target-only", action="store_true",
                    help="time the target forward only: no drafter, back-to-back or pipeline part")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.device == "cuda":
         args.device = "cuda:0"
     dev = torch.device(args.device)
@@ -113,7 +113,6 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dtype_name = "bf16" if dev.type == "cuda" else "float32"
-    model_ref = f"random:{args.preset}"
     layers = "auto" if args.layers == "auto" else [int(x) for x in args.layers.split(",")]
     res: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "device": str(dev),
                            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
@@ -122,19 +121,35 @@ def main() -> None:
     variants = ["sdpa", FLEX] if args.attn == "both" else [attn]
     res["attn"] = attn
 
-    # ---------------------------------------------------------------- the parts alone
-    t0 = time.perf_counter()
-    target, tok = load_target(model_ref, args.device, dtype_name, variants[0])
-    res["target_init_s"] = time.perf_counter() - t0
-    from dflash_model.drafter import default_target_layer_ids
-    L = target.config.num_hidden_layers
-    ids = default_target_layer_ids(L, 5) if layers == "auto" else layers
+    loaded, rows, forward, vocab = time_target(args, dev, dtype_name, res, layers, attn, variants)
+    if args.target_only:
+        if dev.type == "cuda":
+            res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        report(res, args)
+        return
+    work = tempfile.mkdtemp()
+    b2b_s = time_drafter(args, dev, dtype_name, res, loaded, rows, forward, work)
+    ids = loaded.layer_ids
+    loaded = forward = None  # free GPU memory for the pipeline run
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    time_pipeline(args, dtype_name, res, ids, vocab, b2b_s, work)
+
+
+def time_target(args: argparse.Namespace, dev: torch.device, dtype_name: str, res: dict[str, Any],
+                layers: str | list[int], attn: str, variants: list[str]
+                ) -> tuple[Any, list[dict[str, Any]], Callable[..., torch.Tensor], int]:
+    """The target forward alone, in each attention variant, loaded as extract loads it: (the
+    loaded target, the rows, extract's per-row forward, the rows' vocabulary)."""
+    model_ref = f"random:{args.preset}"
+    loaded = load_feature_target(model_ref, args.device, dtype=dtype_name, attn_implementation=variants[0],
+                                 layers=layers, compile=args.compile_target)  # as extract loads it
+    target, cap, ids = loaded.model, loaded.capture, loaded.layer_ids
+    res["target_init_s"] = loaded.load_s
     res["layer_ids"] = ids
-    compile_target = compile_wanted(args.compile_target, dev)
-    if compile_target:
-        compile_layers(target)
-    res["target_compiled"] = compile_target
-    cap = FeatureCapture(target, ids)
+    res["target_compiled"] = loaded.compiled
     rcfg = RandomRowsConfig(rows=args.rows, tokens_per_row=args.tokens, vocab_size=target.config.vocab_size - 1)
     rows = [random_row(rcfg, i) for i in range(args.rows)]
 
@@ -173,25 +188,22 @@ def main() -> None:
     use_attn(attn)
     main_t = res["target"][attn]
     res.update(target_ms=main_t["ms"], target_tok_s=main_t["tok_s"], target_tflops=main_t["tflops"])
-    if args.target_only:
-        if dev.type == "cuda":
-            res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        report(res, args)
-        return
+    return loaded, rows, forward, rcfg.vocab_size
 
-    from dflash_model.target.capture import target_header
-    header = target_header(model_ref, target, ids, tok)
+
+def time_drafter(args: argparse.Namespace, dev: torch.device, dtype_name: str, res: dict[str, Any], loaded: Any,
+                 rows: list[dict[str, Any]], forward: Callable[..., torch.Tensor], work: str) -> float:
+    """The trainer's step alone (``Trainer.train_step``), then extract's forward and the step back
+    to back; returns the back-to-back seconds per row."""
+    header = loaded.header()
     tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name)
-    work = tempfile.mkdtemp()
     trainer = Trainer(tcfg, StageContext(stage="train", config=tcfg, device=args.device, run_dir=work,
                                          work_dir=work))
     trainer.setup(header)
     feats = forward(rows[0])
 
     def step(row: dict[str, Any], f: torch.Tensor) -> None:
-        trainer._forward_backward(dict(row, features=f), 0)
-        trainer._optimizer_step(None)
-        trainer.step += 1
+        trainer.train_step([dict(row, features=f)])
 
     first = timed(lambda: step(rows[0], feats), dev)
     stp = [timed(lambda r=r: step(r, feats), dev) for r in rows]
@@ -213,13 +225,13 @@ def main() -> None:
         "now the pipeline...")
     if dev.type == "cuda":
         res["peak_gib_parts"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    trainer = target = cap = header = feats = None  # free GPU memory for the pipeline run
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
+    return b2b_s
 
-    # ---------------------------------------------------------------- the pipeline
+
+def time_pipeline(args: argparse.Namespace, dtype_name: str, res: dict[str, Any], ids: list[int], vocab: int,
+                  b2b_s: float, work: str) -> None:
+    """The whole pipeline (pack:random -> extract -> train) through the runner, in threads."""
+    model_ref, attn, dev = f"random:{args.preset}", res["attn"], torch.device(args.device)
     from dflash_core.pipeline_file import load_pipeline_text
     from dflash_core.plugins import PluginManager
     from dflash_core.runner import Runner
@@ -230,7 +242,7 @@ def main() -> None:
 version: 1
 run_dir: {work}/run
 stages:
-  pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {rcfg.vocab_size}}}}}
+  pack: {{uses: pack:random, params: {{rows: {n_rows}, tokens_per_row: {args.tokens}, vocab_size: {vocab}}}}}
   extract: {{uses: hf_hooks, after: pack, device: {args.device},
             params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn},
                       compile: "{args.compile_target}"}}}}
@@ -252,7 +264,7 @@ stages:
     steady = metrics[skip + (len(metrics) - skip) // 2:]
     pipe_s = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
     pipe_tok_s = args.tokens / pipe_s
-    after = metrics[skip:]  # the whole window after the first steps: earlier runs' estimate
+    after = metrics[skip:]  # the whole window after the first steps: an estimate that includes the drain
     res["pipeline_ms_after_skip"] = (after[-1]["time"] - after[0]["time"]) / (len(after) - 1) * 1e3
     res.update(pipeline_rows=n_rows, pipeline_steady_rows=len(steady) - 1,
                pipeline_tok_s=pipe_tok_s, pipeline_ms=args.tokens / pipe_tok_s * 1e3,

@@ -7,7 +7,7 @@ the AdamW update, and the two together (``clipped_step``, as the trainer calls t
 Triton kernels' first call (their compile) and a few block sizes. Bandwidth counts 14 bytes per
 bf16 parameter for the update (read p, g, m, v; write p, m, v) and 2 for the norm.
 
-    python benchmarks/optim_step.py                 # the H200 run
+    python benchmarks/optim_step.py                 # the default run (CUDA)
     python benchmarks/optim_step.py --shape qwen3.6-27b  # the drafter for Qwen3.6-27B
     python benchmarks/optim_step.py --tiny          # smoke test (CPU: Triton's interpreter)
 """

@@ -5,7 +5,7 @@ Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no d
 (fused on CUDA), grad clip 1.0. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
 5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
 
-    python benchmarks/train_step.py                      # the H200 run
+    python benchmarks/train_step.py                      # the default run (CUDA)
     python benchmarks/train_step.py --shape qwen3.6-27b --breakdown --chunk-rows 2560,3840,7680
     python benchmarks/train_step.py --device cpu --shape tiny  # smoke test (any machine; --tiny too)
     python benchmarks/train_step.py --out results/       # also write results/train_step.json
@@ -18,7 +18,7 @@ Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no d
     python benchmarks/train_step.py --chunk-rows 3840,7680  # one table row per LM-head loss chunk size
 
 The back-to-back steps are timed with nvidia-smi sampling the GPU beside them (``gpu_clocks.py``):
-the SM clock and power it held, since the H200 runs this step at its power limit.
+the SM clock and power it held, since a GPU can run this step at its power limit.
 
 Run it twice with ``--compile-cache`` on a fresh machine (empty TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR) to see the cold and the cached first step.
@@ -50,6 +50,7 @@ from dflash_model.fast import tune_drafter
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast.optim import adamw, clipped_step
 from dflash_model.fast import compile_cache
+from dflash_model.fast.regional import compile_drafter
 from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
@@ -68,7 +69,7 @@ def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterCo
     shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
     header extract would send, so the benchmark's dimensions are the package's own."""
     from dflash_stages.train.drafter_init import drafter_config
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
     if name == "tiny":
         target = dict(TINY)
@@ -168,12 +169,9 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     s = make_setup(args, torch.bfloat16, backend)
     model, dev = s["model"], s["device"]
     log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
-    compiled = compile_wanted(args.compile, dev)
-    loaded = False
-    if compiled:
-        model.compile_layers(**({"options": dict(args.inductor)} if args.inductor else {}))
-        if args.compile_cache:
-            loaded = compile_cache.load(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
+    done = compile_drafter(model, compile_wanted(args.compile, dev), dev, args.compile_cache, LOG,  # as the trainer compiles
+                           **({"options": dict(args.inductor)} if args.inductor else {}))
+    compiled, loaded = done.compiled, done.cache_loaded
     opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -214,8 +212,8 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
-    if compiled and args.compile_cache and not loaded:
-        compile_cache.save(compile_cache.cache_url(str(args.compile_cache), dev), LOG)
+    if done.cache_url:
+        compile_cache.save(done.cache_url, LOG)
     common = dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                   torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(), tokens=s["T"],
                   anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,

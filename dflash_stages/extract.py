@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_core import Stage, StageContext
 from dflash_model.fast.compile_gate import GATE
-from dflash_model.fast.settings import check_compile_setting, compile_wanted, peak_gib
+from dflash_model.fast.settings import check_compile_setting, peak_gib
 from dflash_core.rows import PACKED_ROW, checked
 
 
@@ -40,11 +40,18 @@ class ExtractConfig:
 
     def layer_ids(self, n_layers: int) -> list[int]:
         """The target layers to read: DESIGN's rule for ``auto``, else as given."""
-        from dflash_model.drafter import default_target_layer_ids
+        from dflash_model.target.features import feature_layer_ids
 
-        if self.layers == "auto":
-            return default_target_layer_ids(n_layers, self.num_features)
-        return [int(t) for t in self.layers]  # type: ignore[union-attr]  (FeatureCapture checks them)
+        return feature_layer_ids(self.layers, self.num_features, n_layers)
+
+    def load_target(self, device: str) -> Any:
+        """The target loaded, compiled and hooked as this config says (a ``FeatureTarget``)."""
+        from dflash_model.target.features import load_feature_target
+
+        return load_feature_target(self.model, device, dtype=self.dtype,
+                                   attn_implementation=self.attn_implementation, layers=self.layers,
+                                   num_features=self.num_features, last_hidden=self.last_hidden,
+                                   compile=self.compile)
 
     def __post_init__(self) -> None:
         from dflash_model.target.packed_attention import IMPLEMENTATIONS
@@ -66,29 +73,17 @@ class HFHooksExtract(Stage):
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
 
-        from dflash_model.target import packed_attention
-        from dflash_model.target.packed_attention import resolve_attn_implementation
-        from dflash_model.target.load import load_target
-        from dflash_model.target.capture import FeatureCapture, compile_layers, target_header
-
         cfg = self.config
         device = torch.device(ctx.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        attn = resolve_attn_implementation(cfg.attn_implementation, device)
-        model, tokenizer = load_target(cfg.model, ctx.device, cfg.dtype, attn)
-        n_layers = model.config.num_hidden_layers
-        ids = cfg.layer_ids(n_layers)
-        compiled = compile_wanted(cfg.compile, device)
-        if compiled:
-            compile_layers(model)
-        # packed_flex runs a compiled flex_attention even with the layers left eager: its first call
-        # at a length compiles, and must not overlap another stage's compile in this process
-        gated = compiled or attn == packed_attention.NAME
-        capture = FeatureCapture(model, ids, last_hidden=cfg.last_hidden)
-        ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model, n_layers,
-                        ids, attn, ", compiled layers" if compiled else "")
-        yield target_header(cfg.model, model, ids, tokenizer)
+        target = cfg.load_target(ctx.device)
+        capture, ids = target.capture, target.layer_ids
+        # a first call at a new length may compile, and must not overlap another stage's compile
+        # in this process
+        gated = target.compiles_per_length
+        ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model,
+                        target.model.config.num_hidden_layers, ids, target.attn,
+                        ", compiled layers" if target.compiled else "")
+        yield target.header()
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         rows = tokens = 0
         for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):

@@ -71,21 +71,6 @@ class _Enough(Exception):
     """Raised by the last hook needed, so layers above it (and the LM head) never run."""
 
 
-def compile_layers(model: nn.Module) -> None:
-    """Regional compile of the target: every decoder layer's ``forward`` goes through one
-    torch.compile'd function (Inductor fuses the norms, RoPE, SwiGLU and residual adds that HF
-    runs as separate kernels; layers of one kind share a graph). Only ``forward`` is replaced,
-    so the feature hooks, which run in the module call around it, stay outside the graph and
-    can come and go without recompiling. For fixed-length rows (extract); a forward whose
-    length changes every call (decoding with a KV cache) would recompile."""
-    import types
-
-    layers = decoder_layers(model)
-    compiled = torch.compile(type(layers[0]).forward, dynamic=False)
-    for layer in layers:
-        layer.forward = types.MethodType(compiled, layer)
-
-
 class FeatureCapture:
     """Forward hooks on the chosen decoder layers; ``capture`` returns [.., T, k*H].
 

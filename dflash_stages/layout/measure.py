@@ -1,10 +1,10 @@
 """The one-GPU rates ``dflash-pipe plan`` predicts from: a short timing of the pipeline's own target
 forward and drafter step on one device.
 
-The target is loaded and run as the extract stage runs it (``load_target``, the stage's layer-id
-rule, ``FeatureCapture``, the row's mask from ``row_attention_mask`` for the implementation in use);
-the drafter step is the train stage's ``Trainer`` (``setup``, ``_forward_backward``,
-``_optimizer_step``), on random packed rows (``random_row``) of the pipeline's row length. The
+The target is loaded and run as the extract stage runs it (``ExtractConfig.load_target``: the
+stage's attention, layer ids, compile and hooks; ``FeatureCapture.capture_row`` per row); the drafter
+step is the train stage's ``Trainer`` (``setup``, ``train_step``), on random packed rows
+(``random_row``) of the pipeline's row length. The
 target is freed before the drafter is built, so each peak is its own: what a GPU of a pairs or
 fan-in layout holds.
 
@@ -105,116 +105,123 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     ``tokens``-token rows on ``device``."""
     import torch
 
-    from dflash_core import StageContext
-    from dflash_model.fast.settings import compile_wanted
-    from dflash_model.fast import compile_cache
-    from dflash_model.target.packed_attention import resolve_attn_implementation
-    from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
-    from dflash_model.target.load import load_target
-    from dflash_model.target.capture import FeatureCapture, compile_layers, target_header
-    from dflash_stages.train.trainer import Trainer
-
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(dev)
+    clock = _Clock(dev)
+    target, featured, header = _time_target(extract_cfg, tokens, rows, clock, log)
+    clock.free()  # the target is gone: the drafter's peak is its own
+    gpu_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30 if clock.cuda else None
+    drafter = _time_drafter(train_cfg, header, featured, tokens, rows, clock, log)
+    clock.free()
+    return Measured(device=str(dev), tokens=tokens, rows=rows, gpu_gib=gpu_gib, **target, **drafter)
+
+
+class _Clock:
+    """Wall-clock timing on one device (synchronised around each call on CUDA) and the peak
+    memory since the last :meth:`free`, above what the device held when the clock was made."""
+
+    def __init__(self, dev: Any) -> None:
+        import torch
+
+        self.torch, self.dev, self.cuda = torch, dev, dev.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(dev)
+        self.free()
+        # what others hold on the device is not ours; what we keep across a free (the feature row
+        # the drafter trains on) counts in the later peak, as it would on a drafter's GPU
+        self.base = torch.cuda.memory_allocated(dev) if self.cuda else 0
+
+    def free(self) -> None:
+        """Collect what the caller dropped, and count the peak from here."""
         gc.collect()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats(self.dev)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.dev)
 
-    def timed(fn: Callable[[], Any]) -> float:
-        sync()
+    def timed(self, fn: Callable[[], Any]) -> float:
+        self.sync()
         t = time.perf_counter()
         fn()
-        sync()
+        self.sync()
         return time.perf_counter() - t
 
-    def peak_gib() -> float | None:
-        return (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else None
+    def peak_gib(self) -> float | None:
+        return (self.torch.cuda.max_memory_allocated(self.dev) - self.base) / 2**30 if self.cuda else None
 
-    # ------------------------------------------------------------ the target (extract's path)
-    attn = resolve_attn_implementation(extract_cfg.attn_implementation, dev)
-    log(f"loading target {extract_cfg.model} on {device} (attention {attn})")
-    t0 = time.perf_counter()
-    model, tok = load_target(extract_cfg.model, str(dev), extract_cfg.dtype, attn)
-    load_s = time.perf_counter() - t0
-    if compile_wanted(extract_cfg.compile, dev):
-        compile_layers(model)
-    n_layers = model.config.num_hidden_layers
-    ids = extract_cfg.layer_ids(n_layers)
-    capture = FeatureCapture(model, ids, last_hidden=extract_cfg.last_hidden)
-    vocab = min(int(model.config.vocab_size) - 1, len(tok))  # real ids: never the drafter's mask row
+
+def _time_target(extract_cfg: Any, tokens: int, rows: int, clock: _Clock, log: Callable[[str], None]
+                 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The target as extract runs it (``ExtractConfig.load_target``), timed on random packed rows:
+    (its ``Measured`` fields, one row with its features, the target header with the verifier
+    weights copied to the CPU). The caller's references are the last to the target."""
+    from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+
+    log(f"loading target {extract_cfg.model} on {clock.dev}")
+    target = extract_cfg.load_target(str(clock.dev))
+    log(f"target loaded (attention {target.attn})")
+    vocab = min(int(target.model.config.vocab_size) - 1, len(target.tokenizer))  # real ids: never the drafter's mask row
     rcfg = RandomRowsConfig(rows=rows + 1, tokens_per_row=tokens, vocab_size=vocab)
     batch = [random_row(rcfg, i) for i in range(rows + 1)]
 
     def forward(row: dict[str, Any]) -> dict[str, Any]:
-        feats, last = capture.capture_row(row)
+        feats, last = target.capture.capture_row(row)
         return dict(row, features=feats, last_hidden=last)
 
-    warm_t = timed(lambda: forward(batch[0]))
+    warm_t = clock.timed(lambda: forward(batch[0]))
     log(f"target warm-up forward: {warm_t:.2f} s")
-    fwd = [timed(lambda r=r: forward(r)) for r in batch[1:]]
-    target_s = statistics.median(fwd)
-    target_gib = peak_gib()
+    target_s = statistics.median(clock.timed(lambda r=r: forward(r)) for r in batch[1:])
+    target_gib = clock.peak_gib()
     log(f"target forward: {target_s * 1e3:.1f} ms per {tokens:,}-token row (median of {rows})")
-
-    # the drafter alone: keep one feature row and the verifier weights (on the CPU, ties kept)
     featured = forward(batch[0])
-    hidden = int(model.config.hidden_size)
+    hidden = int(target.model.config.hidden_size)
     feature_rows = int(featured["features"].shape[-1]) // hidden + (featured["last_hidden"] is not None)
-    header = target_header(extract_cfg.model, model, ids, tok)
+    fields = dict(attn=target.attn, layers=target.layer_ids, target_load_s=target.load_s,
+                  target_warmup_s=warm_t, target_ms=target_s * 1e3, target_tok_s=tokens / target_s,
+                  target_gib=target_gib, hidden_size=hidden, feature_rows=feature_rows)
+    return fields, featured, _header_on_cpu(target.header())
+
+
+def _header_on_cpu(header: dict[str, Any]) -> dict[str, Any]:
+    """The target header with its embedding and LM head copied to the CPU (still one tensor when
+    the target ties them), so that the target can be freed before the drafter is built."""
     embed, head = header["embed_weight"], header["lm_head_weight"]
     tied = head is embed or head.data_ptr() == embed.data_ptr()
-    header["embed_weight"] = embed.detach().to("cpu", copy=True)
-    header["lm_head_weight"] = header["embed_weight"] if tied else head.detach().to("cpu", copy=True)
-    model = capture = embed = head = None  # free the target (forward() is not called again)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-    gpu_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None
+    cpu_embed = embed.detach().to("cpu", copy=True)
+    return dict(header, embed_weight=cpu_embed,
+                lm_head_weight=cpu_embed if tied else head.detach().to("cpu", copy=True))
 
-    # ------------------------------------------------------------ the drafter (train's Trainer)
-    saved = None
+
+def _time_drafter(train_cfg: Any, header: dict[str, Any], featured: dict[str, Any], tokens: int,
+                  rows: int, clock: _Clock, log: Callable[[str], None]) -> dict[str, Any]:
+    """The train stage's ``Trainer`` (``setup``, ``train_step``) timed on ``featured`` as every
+    row of the step: its ``Measured`` fields. Saves the compile cache after the first step, as
+    training does, so the real run starts warm."""
+    from dflash_core import StageContext
+    from dflash_stages.train.trainer import Trainer
+
+    per_step = int(train_cfg.rows_per_step)
     with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
-        ctx = StageContext(stage="train", config=train_cfg, device=str(dev), run_dir=work, work_dir=work)
+        ctx = StageContext(stage="train", config=train_cfg, device=str(clock.dev), run_dir=work, work_dir=work)
         trainer = Trainer(train_cfg, ctx)
         trainer.setup(header)
-        per_step = int(train_cfg.rows_per_step)
 
         def step() -> None:
-            for micro in range(per_step):
-                trainer._forward_backward(featured, micro)
-            trainer._optimizer_step(None)
-            trainer.step += 1
+            trainer.train_step([featured] * per_step)
 
         log("drafter warm-up step" + (" (compiles: minutes cold, seconds from a compile cache)"
                                       if trainer.compiled else ""))
-        first = timed(step)
+        first = clock.timed(step)
         log(f"drafter warm-up step: {first:.2f} s")
-        if trainer.cache_url:  # as the trainer does after its first step: the real run starts warm
-            if compile_cache.save(trainer.cache_url, ctx.logger):
-                saved = trainer.cache_url
-        steps = [timed(step) for _ in range(rows)]
-        step_s = statistics.median(steps)
-        drafter_gib = peak_gib()
-        drafter_params = sum(p.numel() for p in trainer.model.parameters())
-        compiled = bool(trainer.compiled)
+        saved = trainer.save_compile_cache()
+        step_s = statistics.median(clock.timed(step) for _ in range(rows))
+        fields = dict(drafter_warmup_s=first, drafter_ms=step_s * 1e3, drafter_tok_s=per_step * tokens / step_s,
+                      drafter_gib=clock.peak_gib(), compiled=bool(trainer.compiled),
+                      drafter_params=sum(p.numel() for p in trainer.model.parameters()),
+                      compile_cache_saved=saved)
         if trainer.tb is not None:
             trainer.tb.close()
-        trainer = None
     log(f"drafter step: {step_s * 1e3:.1f} ms per {per_step} x {tokens:,}-token row(s) (median of {rows})")
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return Measured(device=str(dev), tokens=tokens, rows=rows, attn=attn, layers=ids, target_load_s=load_s,
-                    target_warmup_s=warm_t, target_ms=target_s * 1e3, target_tok_s=tokens / target_s,
-                    target_gib=target_gib, drafter_warmup_s=first, drafter_ms=step_s * 1e3,
-                    drafter_tok_s=per_step * tokens / step_s, drafter_gib=drafter_gib, compiled=compiled,
-                    hidden_size=hidden, feature_rows=feature_rows, drafter_params=drafter_params,
-                    gpu_gib=gpu_gib, compile_cache_saved=saved)
+    return fields

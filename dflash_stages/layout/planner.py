@@ -12,7 +12,7 @@ tokens / step time), ``mt`` / ``md`` = their peak GiB. Layouts on G GPUs of one 
   ``min(N * rt, M * rd)``; every valid split is computed, the fastest is "the" fan-in.
 - **colocated**: every GPU runs a target copy and a drafter replica back to back:
   ``overlap * G / (1/rt + 1/rd)``; mt + md on every GPU. ``overlap`` = 1 is back to back
-  (conservative: the two overlap on one GPU, docs/benchmarks.md measured 7% and 19% faster).
+  (conservative: the two overlap on one GPU; docs/benchmarks.md has the measurements).
 - **one GPU alone**: colocated with G = 1, for reference.
 
 Drafter replicas all-reduce their gradients once per step; its time is left out of every layout,
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 DEFAULT_LINK_GBPS = 100.0
-"""GB/s (1e9 bytes/s) of the GPU-to-GPU link per GPU: NVLink class (H100/H200 NVLink 4 is ~450 GB/s
-per direction nominal; 100 leaves room for what a peer copy really gets)."""
+"""GB/s (1e9 bytes/s) of the GPU-to-GPU link per GPU: NVLink class, well under NVLink's nominal
+bandwidth per direction, to leave room for what a peer copy really gets."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dflash_core import StageContext
     from dflash_model.drafter import DFlashDrafter, DrafterConfig
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -9,120 +9,11 @@ averaged with one all-reduce per step.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Literal, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.artifacts import join
-from dflash_model.fast.settings import check_compile_setting
-from dflash_core.paths import PATH_FIELD
 from dflash_core.rows import FEATURE_ROW, checked
-
-ADAMW_KERNELS = ("auto", "triton", "torch")
-
-
-@dataclass
-class DrafterAttention:
-    """Explicit draft-layer attention, over what ``drafter_shape`` chose (unset fields keep it)."""
-
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float | None = field(default=None, metadata={
-        "help": "plain full-rotary RoPE at this base (replaces the chosen RoPE)"})
-
-
-@dataclass
-class TrainConfig:
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = field(default=512, metadata={"help": "anchors (blocks) per row"})
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float | None = field(default=1.0, metadata={
-        "help": "clip gradients to this global L2 norm; null or 0 = no clip"})
-    adamw_kernel: str = field(default="auto", metadata={
-        "help": "AdamW step: triton (CUDA; 1.5x torch's fused kernels on the H200) | torch (fused) | "
-                "auto = triton when the drafter is on CUDA and triton is installed"})
-    rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
-    total_steps: int | None = field(default=None, metadata={
-        "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
-                "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
-    dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
-    loss_target: str = field(default="data", metadata={"help": "data | target_argmax | kl"})
-    gamma: float | None = None
-    mask_token_id: int | None = field(default=None, metadata={
-        "help": "default: the published drafter's for the target's family (drafter_shape), else "
-                "the first unused embedding row of the target"})
-    drafter_shape: Literal["auto", "target", "published"] = field(default="auto", metadata={
-        "help": "draft layers' attention and RoPE: target = the target's own attention layer; "
-                "published = the published drafter of the target's family (Qwen3.5/3.6: 32 q / 8 kv "
-                "heads x 128, full rotary, rope_theta 1e7, mask token 248070); auto = published "
-                "where the family has one, else target (docs/drafter.md)"})
-    drafter_attention: DrafterAttention | None = field(default=None, metadata={
-        "help": "explicit num_attention_heads / num_key_value_heads / head_dim / rope_theta over "
-                "drafter_shape's"})
-    init_from: str | None = field(default=None, metadata={
-        **PATH_FIELD, "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
-                "random weights; its hidden size, vocab, target layers, block size and layer count "
-                "must match this run"})
-    attn_backend: str = "auto"
-    seed: int = 0
-    log_every: int = 10
-    checkpoint_every: int = field(default=0, metadata={
-        "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
-    chunk_rows: int = field(default=4096, metadata={
-        "help": "LM-head rows per loss chunk: memory (a [chunk, vocab] block of logits) vs the LM head's "
-                "re-reads, one per chunk (4096: 2 chunks a row at 512 anchors x 16)"})
-    compile: str = field(default="auto", metadata={
-        "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
-    compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
-        **PATH_FIELD, "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
-    flex_kernel_options: dict[str, Any] | str | None = field(default="auto", metadata={
-        "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1): auto = the ones "
-                "measured fastest on this GPU kind if known (benchmarks/flex_tune.py), null = torch's "
-                "defaults, or a mapping"})
-    flex_tile: int | str = field(default="auto", metadata={
-        "help": "the flex attention BlockMask's tile (a power of two, 16-128): auto = the one measured "
-                "fastest on this GPU kind if known and torch allows it (64 on the H200), else 128"})
-    pad_anchors: bool = field(default=True, metadata={
-        "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
-    heldout: str | None = field(default=None, metadata={
-        **PATH_FIELD, "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
-
-    def __post_init__(self) -> None:
-        if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
-            self.drafter_attention = DrafterAttention(**self.drafter_attention)
-        if self.loss_target not in ("data", "target_argmax", "kl"):
-            raise ValueError("loss_target must be data, target_argmax or kl")
-        check_compile_setting(self.compile)
-        if self.adamw_kernel not in ADAMW_KERNELS:  # (optim.KERNELS, named here so configs load without torch)
-            raise ValueError(f"adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}, got {self.adamw_kernel!r}")
-        if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
-            raise ValueError("flex_kernel_options must be auto, null or a mapping")
-        if self.flex_tile != "auto" and (isinstance(self.flex_tile, bool) or self.flex_tile not in (16, 32, 64, 128)):
-            raise ValueError(f"flex_tile must be auto, 16, 32, 64 or 128, got {self.flex_tile!r}")
-        if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
-            raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
-        if self.grad_clip is not None and self.grad_clip < 0:
-            raise ValueError("grad_clip must be a positive norm, or null / 0 for no clip")
-
-
-def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_ratio`` of the steps, then cosine to zero.
-    Without a known total the rate stays at ``lr`` after a 100-step warmup."""
-    warmup = max(1, round(cfg.warmup_ratio * total)) if total else 100
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    if not total:
-        return cfg.lr
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+from dflash_stages.train.config import TrainConfig
 
 
 class DFlashTrain(Stage):
@@ -133,7 +24,7 @@ class DFlashTrain(Stage):
     needs_torch = True
     stops_at_interrupt = True
     # imported before the stage threads start: extract's thread imports dflash_model.drafter
-    # (through target.py) while this one would, and two threads importing one package can deadlock
+    # (through dflash_model.target) while this one would, and two threads importing one package can deadlock
     preload = ("dflash_stages.train.trainer",)
     cache_ignore = ("log_every",)
 
@@ -165,40 +56,3 @@ class DFlashTrain(Stage):
         trainer.setup(header)
         # fed by several extract ranks (fan-in), each sends its own copy of the header
         yield from trainer.fit(r for r in rows if r.get("kind") != "target")
-
-
-def metrics_path(ctx: StageContext) -> str:
-    """Where the metrics JSONL goes: beside the run (a local path) or in the stage's work dir."""
-    return join(ctx.run_dir if "://" not in ctx.run_dir else ctx.work_dir, "metrics.jsonl")
-
-
-def append_metrics(path: str, record: dict[str, Any]) -> None:
-    if "://" in path:
-        return  # object stores cannot append; the checkpoint stage uploads the local copy
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def truncate_metrics(path: str, step: int) -> None:
-    """Keep the records of steps up to ``step`` (and no half-written line): a run resumed from
-    the checkpoint of ``step`` logs the later steps again, and each step is to appear once."""
-    if "://" in path or not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line.rstrip("\n") + "\n" for line in f if _record_step(line) <= step]
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
-
-
-def _record_step(line: str) -> float:
-    """The step of a metrics line; infinity for a line that is not a whole record."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -1,11 +1,18 @@
-"""The training loop behind train:dflash (kept apart from the stage so it reads top to bottom)."""
+"""The training loop behind train:dflash (kept apart from the stage so it reads top to bottom).
+
+:meth:`Trainer.train_step` is the one optimizer step: the loop (:meth:`Trainer.fit`) takes its
+steps through it, and so do ``dflash-pipe plan``'s measurement and the benchmarks, so what they
+time is the step a run takes.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -19,12 +26,29 @@ from dflash_model.fast.optim import adamw, clipped_step
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_model.fast import compile_cache
+from dflash_model.fast.regional import compile_drafter
 from dflash_stages.train.drafter_init import build_drafter
 from dflash_model.target.load import resolve_dtype
-from dflash_stages.train.stage import (TrainConfig, append_metrics, lr_at, metrics_path, now,
-                                 truncate_metrics)
+from dflash_stages.train.config import (TrainConfig, append_metrics, lr_at, metrics_path, now,
+                                         truncate_metrics)
 
 TRAIN_STATE = "train_state.pt"
+
+
+@dataclass
+class StepStats:
+    """What one :meth:`Trainer.train_step` did. The tensors stay on the device (reading them back
+    would make the host wait for the GPU every step); ``Trainer._log`` syncs once per window."""
+
+    rows: int
+    """Rows trained on: ``rows_per_step``, fewer only for a stream's last, partial step."""
+    tokens: int
+    row_stats: list[dict[str, torch.Tensor]]
+    """Per row that had anchors: ``loss``, ``acc``, ``tau_sim``, ``per_slot_acc``."""
+    grad_norm: torch.Tensor
+    """The global gradient norm before clipping."""
+    lr: float
+    """The learning rate the step took."""
 
 
 class Trainer:
@@ -35,6 +59,9 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, ctx.device)
         self.step = 0
+        self.total: int | None = cfg.total_steps or None
+        """Optimizer steps the LR schedule spans; learnt from the first row that reports its
+        epoch when not configured (None: unknown, the rate stays flat after warmup)."""
         self.data_state: dict[str, Any] = {}
         self.metrics_file = metrics_path(ctx)
         self.tb: Any = None
@@ -57,14 +84,9 @@ class Trainer:
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
                      else head.detach().to(self.device, self.dtype))
         self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel)
-        self.compiled = compile_wanted(cfg.compile, self.device)
-        self.cache_url: str | None = None
-        if self.compiled:
-            self.model.compile_layers()
-            if cfg.compile_cache:
-                self.cache_url = compile_cache.cache_url(cfg.compile_cache, self.device)
-                if compile_cache.load(self.cache_url, self.ctx.logger):
-                    self.cache_url = None  # warm: nothing new to save
+        done = compile_drafter(self.model, compile_wanted(cfg.compile, self.device), self.device,
+                               cfg.compile_cache, self.ctx.logger)
+        self.compiled, self.cache_url = done.compiled, done.cache_url
         if self.distributed:
             self._init_distributed()
         if self.ctx.resume_checkpoint:
@@ -160,6 +182,9 @@ class Trainer:
         return min(cadences) if cadences else 0
 
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Train on the stream of feature rows, ``rows_per_step`` rows a step, until it ends, the
+        step limit or an interrupt; logs, and yields the snapshots to checkpoint (the last one
+        always)."""
         cfg, ctx = self.cfg, self.ctx
         every = self.snapshot_every()
         fan_in, rows_done = self.fan_in(), self.step * cfg.rows_per_step
@@ -169,53 +194,43 @@ class Trainer:
                 f"has sent as many rows, so every_steps x rows_per_step ({every} x {cfg.rows_per_step}) "
                 f"must be a multiple of {fan_in}")
         window: list[dict[str, torch.Tensor]] = []
-        micro, total, interrupted = 0, None, False
+        interrupted, grad_norm = False, None
         self.started, self.tokens_seen = now(), 0
         t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
         if self.step:  # resumed: the display counts on from the checkpoint's step
             ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
-        if self.limit_reached():
-            rows = iter(())
-        for row in rows:
-            total = total or self.total_steps(row)
-            tokens = int(row["features"].shape[0])
-            with GATE.call(ctx.stage, tokens, self.compiled):  # a new length may compile (forward, backward)
-                stats = self._forward_backward(row, micro)
-            self.tokens_seen += tokens
-            micro += 1
-            if stats is not None:
-                window.append(stats)
-            if micro < cfg.rows_per_step:
-                continue
+        feed = iter(rows)
+        while not self.limit_reached():
+            step_rows = _StepRows(feed, cfg.rows_per_step)
+            done = self.train_step(step_rows)
+            if done is None:  # the stream ended on a step boundary
+                break
+            self.tokens_seen += done.tokens
+            window += done.row_stats
+            grad_norm = done.grad_norm
+            if done.rows < cfg.rows_per_step:  # the stream ended within this last, partial step
+                break
             rows_done += cfg.rows_per_step
             if rows_done % fan_in == 0:  # every producer rank has sent as many rows: one state fits all
-                self.data_state = _row_state(row)
-            grad_norm, lr = self._optimizer_step(total)
-            micro = 0
-            self.step += 1
-            if self.step == 1 and self.cache_url and ctx.rank == 0:
-                compile_cache.save(self.cache_url, ctx.logger)  # everything is compiled by now
-            ctx.progress(1, total=total, unit="steps", tokens=self.tokens_seen - step_from)
+                self.data_state = _row_state(step_rows.last)
+            if self.step == 1:
+                self.save_compile_cache()  # everything is compiled by now
+            ctx.progress(1, total=self.total, unit="steps", tokens=self.tokens_seen - step_from)
             step_from = self.tokens_seen
-            if self.step % cfg.log_every == 0 or self.step == total:
-                self._log(window, grad_norm, lr, (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
+            if self.step % cfg.log_every == 0 or self.step == self.total:
+                self._log(window, grad_norm, done.lr, (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
                 window, window_from, t0 = [], self.tokens_seen, now()
             if every and self.step % every == 0:
                 yield self.snapshot(final=False)
             if self.interrupt_here(rows_done % fan_in == 0):
                 interrupted = True
                 break
-            if self.limit_reached():
-                break
-        if micro:  # a last partial step still trains on the rows it has
-            grad_norm, lr = self._optimizer_step(total)
-            self.step += 1
         if not self.step:  # a drafter that never stepped would be exported as if trained
             raise ValueError("train: no feature rows reached it, so no optimizer step was taken; "
                              "the upstream stages kept nothing (see their counts: tokenize's "
                              "samples_out, pack's rows)")
         if window:
-            self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, total, cfg),
+            self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, self.total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
         ctx.summary.update(steps=self.step, peak_gib=peak_gib(self.device))
         if interrupted:
@@ -225,6 +240,44 @@ class Trainer:
         if self.tb is not None:
             self.tb.close()
         yield self.snapshot(final=not interrupted, interrupted=interrupted)
+
+    def train_step(self, rows: Iterable[dict[str, Any]]) -> StepStats | None:
+        """One optimizer step, as training takes it: forward and backward of each feature row
+        (extract's rows: ``features``, ``input_ids``, ``position_ids``, ``loss_mask``,
+        ``doc_lengths``, optionally ``last_hidden``), their gradients averaged across the replicas,
+        clip and AdamW at the schedule's rate, then ``step`` + 1.
+
+        ``rows``: at most ``rows_per_step`` rows, read one at a time (each row's features can be
+        freed once its backward is done); fewer only for a stream's last, partial step. Each row's
+        anchors are drawn from (seed, step, its slot in the global batch), so the same rows at the
+        same step give the same weights however they are fed. Returns None, and takes no step,
+        when ``rows`` is empty. Call after :meth:`setup`."""
+        cfg = self.cfg
+        row_stats: list[dict[str, torch.Tensor]] = []
+        count = tokens = 0
+        for micro, row in enumerate(rows):
+            if micro == cfg.rows_per_step:
+                raise ValueError(f"train_step: more than rows_per_step ({cfg.rows_per_step}) rows")
+            self.total = self.total or self.total_steps(row)
+            n = int(row["features"].shape[0])
+            with GATE.call(self.ctx.stage, n, self.compiled):  # a new length may compile (forward, backward)
+                stats = self._forward_backward(row, micro)
+            count, tokens = micro + 1, tokens + n
+            if stats is not None:
+                row_stats.append(stats)
+        if not count:
+            return None
+        grad_norm, lr = self._optimizer_step(self.total)
+        self.step += 1
+        return StepStats(rows=count, tokens=tokens, row_stats=row_stats, grad_norm=grad_norm, lr=lr)
+
+    def save_compile_cache(self) -> str | None:
+        """Save everything this process has compiled to the compile cache (once the first step
+        has compiled it all), on rank 0 only; the URL written, or None (no cache to write, it was
+        loaded warm, another rank, or nothing compiled)."""
+        if not self.cache_url or self.ctx.rank != 0:
+            return None
+        return self.cache_url if compile_cache.save(self.cache_url, self.ctx.logger) else None
 
     def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, torch.Tensor] | None:
         cfg = self.cfg
@@ -349,6 +402,19 @@ def _borrow(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t.to(device, non_blocking=True)
+
+
+class _StepRows:
+    """The next (at most) ``n`` rows of a stream, handed on one at a time; remembers the last."""
+
+    def __init__(self, feed: Iterator[dict[str, Any]], n: int) -> None:
+        self.feed, self.n = feed, n
+        self.last: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for row in itertools.islice(self.feed, self.n):
+            self.last = row
+            yield row
 
 
 def _row_state(row: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def test_triton_adamw_refuses_what_it_does_not_implement():
 
 def test_train_config_adamw_kernel():
     from dflash_model.fast.optim import KERNELS
-    from dflash_stages.train.stage import ADAMW_KERNELS, TrainConfig
+    from dflash_stages.train.config import ADAMW_KERNELS, TrainConfig
 
     assert ADAMW_KERNELS == KERNELS and TrainConfig().adamw_kernel == "auto"
     with pytest.raises(ValueError, match="adamw_kernel must be one of auto, triton, torch"):

@@ -241,7 +241,7 @@ def test_flex_tile_choice(monkeypatch, inductor_choices):
     CPU and on GPUs not in the table; a given tile is used and checked against the options;
     choosing never touches Inductor; the train param takes auto or a power of two from 16 to 128."""
     from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_tile
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
     bf16, cuda = torch.bfloat16, torch.device("cuda")
     tuned = TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]

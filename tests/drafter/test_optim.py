@@ -46,7 +46,7 @@ def test_clipped_step_equals_clip_grad_norm_then_adamw(max_norm, scale):
 
 
 def test_train_config_grad_clip():
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
     assert TrainConfig(grad_clip=None).grad_clip is None and TrainConfig(grad_clip=0).grad_clip == 0
     with pytest.raises(ValueError, match="grad_clip must be a positive norm"):

@@ -52,7 +52,7 @@ def _qwen3_5_published():
     import transformers
 
     from dflash_stages.train.drafter_init import drafter_config
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
     target = transformers.AutoConfig.for_model(
         "qwen3_5_text", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=8,

@@ -128,7 +128,7 @@ def test_flex_kernel_options_resolution():
     """auto -> the table's options only for a GPU it knows (none on CPU); a mapping is used as
     given (copied); null/{} -> torch's defaults; the train param refuses other strings."""
     from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_kernel_options
-    from dflash_stages.train.stage import TrainConfig
+    from dflash_stages.train.config import TrainConfig
 
     cpu = torch.device("cpu")
     assert choose_kernel_options("auto", cpu, 128, torch.bfloat16) is None

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 
 from dflash_core.progress import Display
-from dflash_stages.train.stage import TrainConfig, lr_at
+from dflash_stages.train.config import TrainConfig, lr_at
 from tests.stages.online_fixtures import online_pipeline
 from tests.stages.test_online_train import (PLUGIN, TRAIN, assert_complete, assert_same_train_state,
                                             dflash_pipe, kill_all, latest, launch, metrics,

@@ -1,0 +1,88 @@
+"""The frozen target made ready to give features: loaded, its decoder layers compiled when wanted,
+its feature layers hooked. One recipe for everyone who reads features from packed rows: the
+extract stage, ``dflash-pipe plan``'s measurement and the benchmarks, so what they time is what
+extract runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_model.fast.regional import compile_blocks
+from dflash_model.fast.settings import compile_wanted
+from dflash_model.target import packed_attention
+from dflash_model.target.capture import FeatureCapture, decoder_layers, target_header
+from dflash_model.target.load import load_target
+
+
+def feature_layer_ids(layers: str | Sequence[int], num_features: int, n_layers: int) -> list[int]:
+    """The target layers to read: DESIGN's rule for ``auto`` (``num_features`` of the target's
+    ``n_layers``), else as given (``FeatureCapture`` checks them)."""
+    from dflash_model.drafter import default_target_layer_ids
+
+    if layers == "auto":
+        return default_target_layer_ids(n_layers, num_features)
+    return [int(t) for t in layers]
+
+
+@dataclass
+class FeatureTarget:
+    """A loaded target and the hooks that read its feature layers (see :func:`load_feature_target`)."""
+
+    name: str
+    model: nn.Module
+    tokenizer: Any
+    layer_ids: list[int]
+    capture: FeatureCapture
+    attn: str
+    """The attention implementation it runs (``auto`` resolved)."""
+    compiled: bool
+    """Its decoder layers go through torch.compile."""
+    load_s: float
+    """Seconds the load took."""
+
+    def compile_layers(self) -> None:
+        """Regional compile of the decoder layers (the hooks stay outside the graphs)."""
+        compile_blocks(decoder_layers(self.model))
+        self.compiled = True
+
+    @property
+    def compiles_per_length(self) -> bool:
+        """Whether a row of a new length may compile: with compiled layers, and with packed_flex,
+        whose flex_attention is compiled even when the layers run eager."""
+        return self.compiled or self.attn == packed_attention.NAME
+
+    def header(self) -> dict[str, Any]:
+        """extract's first item: what the trainer needs of the target (``target_header``)."""
+        return target_header(self.name, self.model, self.layer_ids, self.tokenizer)
+
+
+def load_feature_target(model: str, device: str | torch.device, *, dtype: str = "auto",
+                        attn_implementation: str = "auto", layers: str | Sequence[int] = "auto",
+                        num_features: int = 5, last_hidden: bool = False,
+                        compile: str = "auto") -> FeatureTarget:
+    """Load ``model`` frozen on ``device`` (``load_target``), compile its decoder layers when
+    ``compile`` (auto | on | off) wants it there, and hook the feature layers (``layers``: ids or
+    ``auto``; ``last_hidden``: return the final hidden state too). The layers are compiled before
+    the hooks go on, as ``compile_blocks`` expects."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    attn = (packed_attention.resolve_attn_implementation(attn_implementation, dev)
+            if attn_implementation == "auto" else attn_implementation)
+    t0 = time.perf_counter()
+    lm, tokenizer = load_target(model, str(device), dtype, attn)
+    load_s = time.perf_counter() - t0
+    ids = feature_layer_ids(layers, num_features, lm.config.num_hidden_layers)
+    compiled = compile_wanted(compile, dev)
+    if compiled:
+        compile_blocks(decoder_layers(lm))
+    return FeatureTarget(name=model, model=lm, tokenizer=tokenizer, layer_ids=ids,
+                         capture=FeatureCapture(lm, ids, last_hidden=last_hidden), attn=attn,
+                         compiled=compiled, load_s=load_s)
