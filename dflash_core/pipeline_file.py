@@ -51,6 +51,8 @@ DEFAULT_KEYS = ("device", "executor")
 EXTENSION_PREFIX = "x-"
 """Top-level keys starting with this are ignored (a place for YAML anchors, as in compose files)."""
 _STAGE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+AfterEntry = tuple[str | None, str, Node]
+"""One ``after:`` item: (the port it names, or None; the upstream stage; its node)."""
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -356,8 +358,32 @@ class _Loader:
 
     def after(self, name: str, node: Node, after: Node | None, cls: type[Stage] | None,
               stage_nodes: dict[str, Node]) -> dict[str, str] | None:
-        """Input port -> upstream stage, or None after reporting errors."""
-        entries: list[tuple[str | None, str, Node]] = []  # (explicit port, upstream, node)
+        """Input port -> upstream stage, or None after reporting errors. Three phases: read the
+        ``after:`` node into entries, check each entry's upstream stage, bind entries to ports."""
+        read = self.after_entries(after)
+        if read is None:
+            return None
+        entries, ok = read
+        ok = self.check_upstreams(name, entries, stage_nodes) and ok
+        if cls is None:
+            return None
+        if not cls.inputs:
+            if entries:
+                self.err(after.at_key, f"stage '{name}' ({cls.kind}:{cls.name}) is a source stage and "
+                                       "takes no 'after'")
+                return None
+            return {} if ok else None
+        if not ok:
+            return None
+        bound = self.bind_ports(name, cls, entries)
+        if bound is None or self.report_unbound_ports(name, node, after, cls, bound):
+            return None
+        return {p: bound[p] for p in cls.inputs}
+
+    def after_entries(self, after: Node | None) -> tuple[list[AfterEntry], bool] | None:
+        """The entries of ``after:`` (a name, a list of names or a mapping port -> name) and
+        whether every item was a name; None when the node has none of those shapes."""
+        entries: list[AfterEntry] = []
         ok = True
         if after is None or (after.kind == "scalar" and after.value is None):
             pass
@@ -382,6 +408,11 @@ class _Loader:
             self.err(after.mark, f"'after' must be a stage name, a list of names or a mapping "
                                  f"port -> name, got {after.describe()}")
             return None
+        return entries, ok
+
+    def check_upstreams(self, name: str, entries: list[AfterEntry], stage_nodes: dict[str, Node]) -> bool:
+        """Each upstream is another stage of the file, listed once (unless under two ports)."""
+        ok = True
         seen: set[str] = set()
         for port, upstream, item in entries:
             if upstream == name:
@@ -397,18 +428,14 @@ class _Loader:
                 self.err(item.mark, f"stage '{upstream}' is listed twice in 'after'")
                 ok = False
             seen.add(upstream)
-        if cls is None:
-            return None
+        return ok
+
+    def bind_ports(self, name: str, cls: type[Stage], entries: list[AfterEntry]) -> dict[str, str] | None:
+        """Port -> upstream: an explicit port first, else a port named like the upstream stage or
+        its kind, else the only free port; None after reporting an entry that fits no port."""
         ports = list(cls.inputs)
         impl = f"{cls.kind}:{cls.name}"
-        if not ports:
-            if entries:
-                self.err(after.at_key, f"stage '{name}' ({impl}) is a source stage and takes no "
-                                       "'after'")
-                return None
-            return {} if ok else None
-        if not ok:
-            return None
+        ok = True
         bound: dict[str, str] = {}
         pending: list[tuple[str, Node]] = []
         for port, upstream, item in entries:
@@ -444,22 +471,27 @@ class _Loader:
                                     f"'{upstream}' feeds: write after: {{PORT: {upstream}}} "
                                     f"with PORT one of {', '.join(free)}")
                 ok = False
-        if not ok:
-            return None
+        return bound if ok else None
+
+    def report_unbound_ports(self, name: str, node: Node, after: Node | None, cls: type[Stage],
+                             bound: dict[str, str]) -> bool:
+        """Report each input port no upstream feeds; True when there was one."""
+        ports = list(cls.inputs)
+        impl = f"{cls.kind}:{cls.name}"
         missing = [p for p in ports if p not in bound]
-        if missing:
-            mark = after.at_key if after is not None else node.at_key
-            # a source stage whose author left out ``inputs = ()`` has Stage's port: say so
-            inherited = not any("inputs" in vars(c) for c in cls.__mro__ if c is not Stage)
-            source = (f"; or, if {impl} reads no upstream, declare inputs = () in its class, "
-                      f"which now inherits Stage's port '{ports[0]}'" if inherited else "")
-            for port in missing:
-                self.err(mark, f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
-                               f"(add after: {{{port}: STAGE}})" if len(ports) > 1 else
-                         f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
-                         f"(add 'after: STAGE'{source})")
-            return None
-        return {p: bound[p] for p in ports}
+        if not missing:
+            return False
+        mark = after.at_key if after is not None else node.at_key
+        # a source stage whose author left out ``inputs = ()`` has Stage's port: say so
+        inherited = not any("inputs" in vars(c) for c in cls.__mro__ if c is not Stage)
+        source = (f"; or, if {impl} reads no upstream, declare inputs = () in its class, "
+                  f"which now inherits Stage's port '{ports[0]}'" if inherited else "")
+        for port in missing:
+            self.err(mark, f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
+                           f"(add after: {{{port}: STAGE}})" if len(ports) > 1 else
+                     f"stage '{name}' ({impl}) needs an upstream for port '{port}' "
+                     f"(add 'after: STAGE'{source})")
+        return True
 
     def params(self, name: str, node: Node, params: Node | None,
                cls: type[Stage]) -> tuple[Any, dict[str, Any]]:

@@ -7,6 +7,10 @@ resume cursor), so a producer that left them out would train "fine" with a flat 
 resume that starts over. Each consuming stage therefore checks the rows it is given where the
 stream enters it (:func:`checked`), and a missing field is an error naming the stage that should
 have written it. docs/pack.md documents every field (a test keeps it so).
+
+Producers build rows with :func:`packed_row`, :func:`producer_fields` and :func:`feature_row`, so
+that the field names are spelled here only. Extract's stream to train starts with a **target
+header** (``kind: "target"``, :data:`TARGET_HEADER`); its rows are marked ``kind: "row"``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+
+KIND = "kind"
+"""The key that marks an item of a stream as a row or something else (extract's target header)."""
+ROW_KIND = "row"
+TARGET_KIND = "target"
 
 
 @dataclass(frozen=True)
@@ -28,13 +38,15 @@ class RowSchema:
 
     name: str
     fields: tuple[RowField, ...]
+    optional: tuple[RowField, ...] = ()
+    """Fields a consumer reads when present (not checked)."""
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
-    def extend(self, name: str, *fields: RowField) -> "RowSchema":
-        return RowSchema(name, self.fields + fields)
+    def extend(self, name: str, *fields: RowField, optional: tuple[RowField, ...] = ()) -> "RowSchema":
+        return RowSchema(name, self.fields + fields, self.optional + optional)
 
 
 PACKED_ROW = RowSchema("packed row", (
@@ -53,8 +65,48 @@ PACKED_ROW = RowSchema("packed row", (
 FEATURE_ROW = PACKED_ROW.extend(
     "feature row",
     RowField("features", "tensor [T, k·H]: the chosen target layers' outputs, concatenated"),
+    optional=(RowField("last_hidden", "tensor [T, H] or None: the target's final-normed last hidden state"),
+              RowField(KIND, f"{ROW_KIND!r}: tells a row from the target header in extract's stream")),
 )
 """What extract writes (a packed row plus the target's features) and train reads."""
+
+TARGET_HEADER = RowSchema("target header", (
+    RowField(KIND, f"{TARGET_KIND!r}"),
+    RowField("model", "the target's name as the extract stage was given it"),
+    RowField("config", "the target's config as a dict"),
+    RowField("target_layer_ids", "the layers whose outputs make up `features`, in order"),
+    RowField("embed_weight", "tensor [V, H]: the target's input embedding (frozen, shared with the drafter)"),
+    RowField("lm_head_weight", "tensor [V, H]: the target's LM head (frozen, shared with the drafter)"),
+    RowField("tokenizer_len", "the tokenizer's size (the drafter's mask token is picked beyond it)"),
+    RowField("all_special_ids", "the tokenizer's special token ids"),
+))
+"""The first item of extract's stream: what the trainer needs of the target."""
+
+
+def packed_row(input_ids: Any, loss_mask: Any, position_ids: Any, doc_lengths: Any, **extra: Any) -> dict[str, Any]:
+    """A row's per-token fields (documents back to back) and a producer's own fields ``extra``."""
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids,
+            "doc_lengths": doc_lengths, **extra}
+
+
+def producer_fields(*, state: Any, stage: str, epochs: int, rows_per_epoch: int) -> dict[str, Any]:
+    """The bookkeeping fields of a packed row: the producer's cursor after it and whose it is, and
+    the LR schedule's length (epochs × rows per epoch)."""
+    return {"state": state, "state_stage": stage, "epochs": epochs, "rows_per_epoch": rows_per_epoch}
+
+
+def feature_row(row: Mapping[str, Any], features: Any, last_hidden: Any = None) -> dict[str, Any]:
+    """A packed row with the target's features: what extract yields after the target header."""
+    return {**row, KIND: ROW_KIND, "features": features, "last_hidden": last_hidden}
+
+
+def is_row(item: Any) -> bool:
+    """A row of the stream (not a header or another marked item): unmarked items count as rows."""
+    return not (isinstance(item, Mapping) and item.get(KIND, ROW_KIND) != ROW_KIND)
+
+
+def is_target_header(item: Any) -> bool:
+    return isinstance(item, Mapping) and item.get(KIND) == TARGET_KIND
 
 
 class RowError(ValueError):
@@ -84,6 +136,6 @@ def checked(items: Iterable[Any], schema: RowSchema, consumer: str, producer: st
     """``items`` with every row checked against ``schema`` as it arrives; other items (marked with
     a ``kind`` other than "row", such as extract's target header) pass unchecked."""
     for item in items:
-        if not (isinstance(item, Mapping) and item.get("kind", "row") != "row"):
+        if is_row(item):
             check_row(item, schema, consumer, producer)
         yield item

@@ -53,7 +53,9 @@ class Interrupted(Exception):
 
 
 @dataclass
-class PlanEntry:
+class Decision:
+    """What a run would do with one stage, and why (``--dry-run`` prints these)."""
+
     stage: str
     action: str
     """run | cached? | from-artifact | skip"""
@@ -98,7 +100,7 @@ class Runner:
         """Ask the run to save and stop (safe in a signal handler: it only records ``signum``)."""
         self.interrupt_signal = signum
 
-    # ---------------------------------------------------------------- planning
+    # ---------------------------------------------------------------- deciding
     def selected(self) -> list[str]:
         """Stages this invocation runs, in order."""
         order = self.p.order()
@@ -133,33 +135,33 @@ class Runner:
                 needed[upstream] = st
         return needed
 
-    def plan(self) -> list[PlanEntry]:
+    def decide(self) -> list[Decision]:
         """What ``run`` would do and why, without running or loading anything."""
         statuses = analyse(self.p, self.store, self.record)
         external = self.external_inputs(statuses)
         chosen = self.selected()
-        out: list[PlanEntry] = []
+        out: list[Decision] = []
         for stage in self.p.order():
             spec = self.p.stages[stage]
             st = statuses[stage]
             if stage in external:
-                out.append(PlanEntry(stage, "from-artifact", f"fresh artifact {st.key}"))
+                out.append(Decision(stage, "from-artifact", f"fresh artifact {st.key}"))
             elif stage not in chosen:
-                out.append(PlanEntry(stage, "skip", "not selected"))
+                out.append(Decision(stage, "skip", "not selected"))
             elif self.only:
-                out.append(PlanEntry(stage, "run", "--only"))
+                out.append(Decision(stage, "run", "--only"))
             elif self.from_stage:
-                out.append(PlanEntry(stage, "run", f"--from {self.from_stage}"))
+                out.append(Decision(stage, "run", f"--from {self.from_stage}"))
             elif spec.cls.always_run:
-                out.append(PlanEntry(stage, "run", "reads the outside world: always checked"))
+                out.append(Decision(stage, "run", "reads the outside world: always checked"))
             elif streamed_in := [u for u in spec.after.values() if self.p.link(u, stage) == "stream"]:
                 # as _cached: a stage fed by a stream link is never skipped
-                out.append(PlanEntry(stage, "run", f"input '{streamed_in[0]}' is streamed: "
+                out.append(Decision(stage, "run", f"input '{streamed_in[0]}' is streamed: "
                                                    "runs with it"))
             elif st.state == "fresh":
-                out.append(PlanEntry(stage, "cached", f"fresh artifact {st.key}"))
+                out.append(Decision(stage, "cached", f"fresh artifact {st.key}"))
             else:
-                out.append(PlanEntry(stage, "run", st.cause))
+                out.append(Decision(stage, "run", st.cause))
         return out
 
     # ----------------------------------------------------------------- running

@@ -52,7 +52,7 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,
                     resume_states=states, resume_checkpoint=ckpt)
     if args.dry_run:
-        print_plan(runner)
+        print_decisions(runner)
         return EXIT_OK
     display = make_display(runner.selected(), quiet=args.quiet)
     runner.display = display
@@ -115,11 +115,12 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join([*words, "--resume"])
 
 
-def print_plan(runner: Any) -> None:
-    table = Table(title=f"plan for {runner.p.path} (run dir {runner.p.run_dir})")
+def print_decisions(runner: Any) -> None:
+    """``--dry-run``: each stage, what the run would do with it and why."""
+    table = Table(title=f"dry run of {runner.p.path} (run dir {runner.p.run_dir})")
     for col in ("stage", "implementation", "device", "ranks", "action", "why"):
         table.add_column(col)
-    for entry in runner.plan():
+    for entry in runner.decide():
         spec = runner.p.stages[entry.stage]
         ranks = ",".join(map(str, spec.ranks)) if spec.ranks else "all"
         table.add_row(entry.stage, spec.impl, spec.device, ranks, entry.action, entry.reason)

@@ -2,8 +2,8 @@
 BlockMask.
 
 Why: a packed row holds several documents back to back, and none may see another. Given as a 4D
-additive mask, that rule takes SDPA off its flash kernel (docs/benchmarks.md: the Qwen3-8B-dim
-target forward runs at ~322 TFLOP/s on an H200, well below plain causal flash). flex_attention
+additive mask, that rule takes SDPA off its flash kernel onto a much slower one (docs/benchmarks.md has the
+figures). flex_attention
 takes the rule as a BlockMask instead: blocks that are fully masked (everything across documents)
 are skipped and the rest runs in one fused kernel, so the cross-document work disappears rather
 than being masked away.

@@ -117,10 +117,10 @@ def _fast_gguf_parsing():
     """Share one parsed GGUF file among transformers' loaders for the duration.
 
     transformers (5.x) parses the whole GGUF file with ``gguf.GGUFReader`` once
-    for the tokenizer and twice for the model (config, then weights) -- about 9 s
-    each on 2 CPU cores, because of the 49k-entry vocab and merges -- and builds
-    ``gguf.get_tensor_name_map`` once per tensor (~13 s).  Memoizing both within
-    one ``load_smollm2`` call halves the load time.  The originals are restored on
+    for the tokenizer and twice for the model (config, then weights) -- each parse
+    slow because of the 49k-entry vocab and merges -- and builds
+    ``gguf.get_tensor_name_map`` once per tensor.  Memoizing both within one
+    ``load_smollm2`` call parses the file once and builds the map once.  The originals are restored on
     exit; a lock keeps concurrent loads in this process from interleaving.
     """
     import gguf
@@ -166,7 +166,7 @@ def load_smollm2(dtype=None, *, eval_mode: bool = True, **model_kwargs):
     dequantized to ``dtype`` (default ``torch.float32``), in eval mode with
     gradients still enabled on parameters (freeze them yourself if needed), and
     its tokenizer (eos = pad = ``<|im_end|>``, ChatML chat template).
-    Takes ~15-20 s on 2 idle CPU cores (mostly GGUF parsing).  ``model_kwargs``
+    Slow on a CPU (mostly GGUF parsing): load once and reuse.  ``model_kwargs``
     (e.g. ``attn_implementation="sdpa"``) go to ``AutoModelForCausalLM.from_pretrained``.
     """
     import torch

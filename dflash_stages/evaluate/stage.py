@@ -89,6 +89,37 @@ def compute_gap(tau: float, tau_sim: float | None, threshold: float = GAP_THRESH
     return gap, abs(gap) > threshold
 
 
+NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "sim_loss": None, "sim_acc": None}
+
+
+@dataclass
+class _Decoding:
+    """What every drafter of one report is decoded and checked with: the target, the prompts and
+    the target's own greedy outputs for them (the lossless reference)."""
+
+    target: Any
+    prompts: Sequence[Sequence[int]]
+    refs: list[list[int]]
+    block_size: int
+    max_new_tokens: int
+    eos: set[int]
+    batch_size: int
+    tie_tolerance: float
+
+    def decode(self, drafter: Any, layer_ids: Sequence[int] | None, batch_drafter: Any = None,
+               progress: Any = None) -> Any:
+        from dflash_stages.evaluate.runs import decode_all
+
+        return decode_all(self.target, self.prompts, drafter, self.block_size, self.max_new_tokens, layer_ids,
+                          self.eos, self.batch_size, batch_drafter, progress)
+
+    def check(self, run: Any, who: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(mismatches, near ties) of a run's outputs against the greedy reference."""
+        from dflash_stages.evaluate.runs import check_outputs
+
+        return check_outputs(self.target, self.prompts, self.refs, run.tokens, who, self.tie_tolerance)
+
+
 def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
                      with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
@@ -98,10 +129,13 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
     ``tie_tolerance``: relative logit gap of a tolerated near tie (default by dtype, ``TIE_TOLERANCE``);
     ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes.
+
+    In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
+    τ_sim, then the verdict (gap, lossless check); ``timing`` has the seconds of each part.
     """
-    from dflash_stages.evaluate.runs import TIE_TOLERANCE, check_outputs, decode_all, reference_decode
+    from dflash_stages.evaluate import runs
     from dflash_model.target.spec_batch import dflash_batch_drafter
-    from dflash_model.target.spec_decode import eos_set, dflash_drafter, ngram_drafter
+    from dflash_model.target.spec_decode import eos_set, dflash_drafter
     from dflash_model.target.capture import embeddings_and_head
 
     B = drafter.block_size
@@ -109,47 +143,84 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     embed, head = embeddings_and_head(target)
     _check_shapes(target, drafter, embed)
     eos = eos_set(eos_token_id)
-    tol = tie_tolerance if tie_tolerance is not None else TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4)
-    refs, ref_s = reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
+    tol = (tie_tolerance if tie_tolerance is not None
+           else runs.TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4))
+    refs, ref_s = runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
+    dec = _Decoding(target, prompts, refs, B, max_new_tokens, eos, batch_size, tol)
+    timing: dict[str, Any] = {"greedy_s": round(ref_s, 3)}
+
+    run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
+                     _batch_progress(progress, len(prompts)))
+    report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
+                              "max_new_tokens": max_new_tokens, **_served_summary(run, dec, ref_s, timing)}
+    per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
+    mismatches, ties = dec.check(run, "dflash")
+
+    report["ngram"] = None
+    if baseline:
+        report["ngram"], m, t = _ngram_baseline(dec, per_prompt, timing)
+        mismatches, ties = mismatches + m, ties + t
+    report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
+
+    t0 = time.perf_counter()
+    report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
+                  if with_tau_sim else NO_TAU_SIM)
+    timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
+
+    report.update(_verdict(report["tau"], report["tau_sim"], gap_threshold, mismatches, ties, per_prompt, tol))
+    report.update({"per_prompt": per_prompt, "timing": timing, "warnings": []})
+    add_warnings(report)
+    return report
+
+
+def _batch_progress(progress: Any, total: int) -> Any:
+    """``decode_all``'s callback (results so far) as ``progress(done, total, tau_so_far)``."""
     def advance(results: list[Any]) -> None:
         if progress is not None:
             accepted = [a for r in results for a in r.accepted]
-            progress(len(results), len(prompts), (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
+            progress(len(results), total, (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
+    return advance
 
-    run = decode_all(target, prompts, dflash_drafter(drafter, embed, head), B, max_new_tokens, layer_ids, eos,
-                     batch_size, dflash_batch_drafter(drafter, embed, head), advance)
-    mismatches, ties = check_outputs(target, prompts, refs, run.tokens, "dflash", tol)
-    report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
-                              "max_new_tokens": max_new_tokens, **run.summary(B)}
-    report["throughput"] = {"greedy_tokens_per_s": round(sum(map(len, refs)) / ref_s, 1) if ref_s else None,
-                            "spec_tokens_per_s": report.pop("tokens_per_s"), "batch_size": batch_size}
-    timing = {"greedy_s": round(ref_s, 3), "spec_s": report.pop("seconds")}
-    per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
-    report["ngram"] = None
-    if baseline:
-        ng = decode_all(target, prompts, ngram_drafter(), B, max_new_tokens, None, eos, batch_size)
-        report["ngram"] = ng.summary(B)
-        timing["ngram_s"] = report["ngram"].pop("seconds")
-        m, t = check_outputs(target, prompts, refs, ng.tokens, "ngram", tol)
-        mismatches, ties = mismatches + m, ties + t
-        for row, res in zip(per_prompt, ng.results):
-            row["tau_ngram"] = res.tau
-    report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
-    t0 = time.perf_counter()
-    report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
-                  if with_tau_sim else {"tau_sim": None, "tau_sim_all": None, "sim_loss": None, "sim_acc": None})
-    timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
+
+def _served_summary(run: Any, dec: _Decoding, ref_s: float, timing: dict[str, Any]) -> dict[str, Any]:
+    """The served drafter's cycles (``DecodeRun.summary``), its rate beside plain greedy decoding's
+    under ``throughput``; its seconds go to ``timing``."""
+    summary = run.summary(dec.block_size)
+    greedy_tokens = sum(map(len, dec.refs))
+    summary["throughput"] = {"greedy_tokens_per_s": round(greedy_tokens / ref_s, 1) if ref_s else None,
+                             "spec_tokens_per_s": summary.pop("tokens_per_s"), "batch_size": dec.batch_size}
+    timing["spec_s"] = summary.pop("seconds")
+    return summary
+
+
+def _ngram_baseline(dec: _Decoding, per_prompt: list[dict[str, Any]], timing: dict[str, Any]
+                    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training-free prompt-lookup drafter through the same loop: (its summary, mismatches,
+    near ties); each prompt's row gets its ``tau_ngram``, ``timing`` its seconds."""
+    from dflash_model.target.spec_decode import ngram_drafter
+
+    ng = dec.decode(ngram_drafter(), None)
+    summary = ng.summary(dec.block_size)
+    timing["ngram_s"] = summary.pop("seconds")
+    mismatches, ties = dec.check(ng, "ngram")
+    for row, res in zip(per_prompt, ng.results):
+        row["tau_ngram"] = res.tau
+    return summary, mismatches, ties
+
+
+def _verdict(tau: float, tau_sim: float | None, gap_threshold: float, mismatches: list[dict[str, Any]],
+             ties: list[dict[str, Any]], per_prompt: list[dict[str, Any]], tol: float) -> dict[str, Any]:
+    """The train/serve gap and the lossless check (every drafter's mismatches and near ties); marks
+    each prompt's row ``lossless``. ``identical`` counts the prompts whose DFlash output is the
+    greedy reference."""
     bad = {m["prompt"] for m in mismatches}
     for row in per_prompt:
         row["lossless"] = row["index"] not in bad
-    gap, flag = compute_gap(report["tau"], report["tau_sim"], gap_threshold)
-    report.update({"gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold, "lossless": not mismatches,
-                   "mismatches": mismatches, "near_ties": ties, "tie_tolerance": tol,
-                   "identical": len(prompts) - len({e["prompt"] for e in mismatches + ties
-                                                    if e["drafter"] == "dflash"}),
-                   "per_prompt": per_prompt, "timing": timing, "warnings": []})
-    add_warnings(report)
-    return report
+    gap, flag = compute_gap(tau, tau_sim, gap_threshold)
+    differing = {e["prompt"] for e in mismatches + ties if e["drafter"] == "dflash"}
+    return {"gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold, "lossless": not mismatches,
+            "mismatches": mismatches, "near_ties": ties, "tie_tolerance": tol,
+            "identical": len(per_prompt) - len(differing)}
 
 
 def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, Any]:
@@ -265,23 +336,7 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     drafter = load_drafter(export, device=device, dtype=torch_dtype, attn_backend="sdpa")
     drafter.eval()
 
-    prompt_src = prompts if prompts is not None else meta.get("heldout")
-    if prompt_src is None:
-        raise EvaluationError(f"{export}: no held-out prompts recorded (dflash_pipe.heldout); pass --prompts")
-    if isinstance(prompt_src, str):
-        records = read_records(prompt_src, num_prompts)
-        tokenizer = _tokenizer(meta, target_ref, tok)
-        try:
-            prompt_ids = build_prompts(tokenizer, records, meta.get("thinking"), meta.get("chat_template_kwargs"))
-        except PromptError as exc:
-            raise EvaluationError(f"{prompt_src}: {exc}") from None
-        prompt_desc = prompt_src
-    else:
-        prompt_ids = [list(p) for p in prompt_src][:num_prompts]
-        prompt_desc = f"{len(prompt_ids)} token-id prompts"
-    if not prompt_ids:
-        raise EvaluationError(f"no prompts in {prompt_desc}")
-
+    prompt_ids, prompt_desc = _prompt_ids(export, prompts, num_prompts, meta, target_ref, tok)
     pad = getattr(tok, "pad_token_id", None)
     report = evaluate_drafter(lm, drafter, prompt_ids, max_new_tokens, eos_ids(lm, tok), baseline=baseline,
                               gap_threshold=gap_threshold, batch_size=batch_size, tie_tolerance=tie_tolerance,
@@ -299,6 +354,30 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
 
         report["files"] = write_outputs(report, out_dir, records if plot else None, plot=plot)
     return report
+
+
+def _prompt_ids(export: str, prompts: str | Sequence[Sequence[int]] | None, num_prompts: int | None,
+                meta: Mapping[str, Any], target_ref: str | None, tok: Any) -> tuple[list[list[int]], str]:
+    """(token ids of each prompt, where they came from): ``prompts`` as a JSONL path (records put
+    through the run's chat template and thinking setting) or token-id lists, else the held-out set
+    recorded in the export."""
+    prompt_src = prompts if prompts is not None else meta.get("heldout")
+    if prompt_src is None:
+        raise EvaluationError(f"{export}: no held-out prompts recorded (dflash_pipe.heldout); pass --prompts")
+    if isinstance(prompt_src, str):
+        records = read_records(prompt_src, num_prompts)
+        tokenizer = _tokenizer(meta, target_ref, tok)
+        try:
+            prompt_ids = build_prompts(tokenizer, records, meta.get("thinking"), meta.get("chat_template_kwargs"))
+        except PromptError as exc:
+            raise EvaluationError(f"{prompt_src}: {exc}") from None
+        prompt_desc = prompt_src
+    else:
+        prompt_ids = [list(p) for p in prompt_src][:num_prompts]
+        prompt_desc = f"{len(prompt_ids)} token-id prompts"
+    if not prompt_ids:
+        raise EvaluationError(f"no prompts in {prompt_desc}")
+    return prompt_ids, prompt_desc
 
 
 def _export_config(export: str) -> dict[str, Any]:

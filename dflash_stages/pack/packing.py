@@ -5,7 +5,7 @@ Pure numpy/pyarrow (no torch). Three parts:
 - :class:`SampleIndex` — per sample only its length and where it lives (source, record batch,
   row): 16 bytes a sample (~14 MB for 900K). Tokens are read on demand, a window at a time, from
   memory-mapped Arrow IPC shards.
-- :func:`plan_epoch` — the epoch's rows as sample ids, from lengths alone: a permutation seeded by
+- :func:`order_epoch` — the epoch's rows as sample ids, from lengths alone: a permutation seeded by
   (seed, epoch); consecutive windows of ``shuffle_window`` samples; inside a window, samples by
   length descending each go to the open row with the least room that still fits them (else a new
   row); the window's rows are then shuffled (seeded by seed, epoch, window) and closed.
@@ -25,7 +25,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["PackError", "SampleIndex", "EpochPlan", "plan_epoch", "BestFitPacker"]
+from dflash_core.rows import packed_row
+
+__all__ = ["PackError", "SampleIndex", "EpochOrder", "order_epoch", "BestFitPacker"]
 
 
 class PackError(RuntimeError):
@@ -253,12 +255,14 @@ class SampleIndex:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning (lengths only)
+# The epoch's order of rows (lengths only)
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class EpochPlan:
+class EpochOrder:
+    """Which samples make up each row of one epoch, rows in the order they are served."""
+
     samples: np.ndarray       # int64 [M]: sample ids, row after row
     row_offsets: np.ndarray   # int64 [R+1]: row g = samples[row_offsets[g]:row_offsets[g+1]]
     window_rows: np.ndarray   # int64 [W+1]: rows of window w = [window_rows[w], window_rows[w+1])
@@ -291,8 +295,9 @@ def _best_fit(order: np.ndarray, lengths: np.ndarray, cap: int) -> list[list[int
     return rows
 
 
-def plan_epoch(lengths: np.ndarray, tokens_per_row: int, shuffle_window: int, seed: int,
-               epoch: int) -> EpochPlan:
+def order_epoch(lengths: np.ndarray, tokens_per_row: int, shuffle_window: int, seed: int,
+                epoch: int) -> EpochOrder:
+    """The rows of ``epoch`` as sample ids (the module docstring says how); the same on every rank."""
     n = len(lengths)
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     samples: list[np.ndarray] = []
@@ -308,7 +313,7 @@ def plan_epoch(lengths: np.ndarray, tokens_per_row: int, shuffle_window: int, se
         window_rows.append(window_rows[-1] + len(rows))
     offsets = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    return EpochPlan(np.concatenate(samples) if samples else np.zeros(0, np.int64), offsets,
+    return EpochOrder(np.concatenate(samples) if samples else np.zeros(0, np.int64), offsets,
                      np.asarray(window_rows, np.int64))
 
 
@@ -341,7 +346,7 @@ class BestFitPacker:
             raise PackError(f"{int(too_long.sum())} samples are longer than tokens_per_row="
                             f"{tokens_per_row} (longest {int(index.lengths.max())} tokens); "
                             "set tokenize max_len <= tokens_per_row or raise tokens_per_row")
-        self._plans: OrderedDict[int, EpochPlan] = OrderedDict()
+        self._orders: OrderedDict[int, EpochOrder] = OrderedDict()
         self._chunk: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._chunk_key: tuple[int, int, int] | None = None  # (epoch, first k, end k)
         self.reset()
@@ -367,22 +372,23 @@ class BestFitPacker:
         self._chunk, self._chunk_key = {}, None
         self._normalize()
 
-    # -- planning ---------------------------------------------------------------------------------
-    def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans[epoch] = plan_epoch(self.index.lengths, self.tokens_per_row,
-                                            self.shuffle_window, self.seed, epoch)
-            while len(self._plans) > 2:
-                self._plans.popitem(last=False)
-        return self._plans[epoch]
+    # -- the epoch's order ------------------------------------------------------------------------
+    def order(self, epoch: int) -> EpochOrder:
+        """``order_epoch`` for ``epoch``, kept for this epoch and the one before."""
+        if epoch not in self._orders:
+            self._orders[epoch] = order_epoch(self.index.lengths, self.tokens_per_row,
+                                              self.shuffle_window, self.seed, epoch)
+            while len(self._orders) > 2:
+                self._orders.popitem(last=False)
+        return self._orders[epoch]
 
     def rows_in_epoch(self, epoch: int) -> int:
         """Rows this rank yields in ``epoch`` (the same for every rank)."""
-        total = self.plan(epoch).num_rows
+        total = self.order(epoch).num_rows
         return total // self.world_size if self.drop_last else -(-total // self.world_size)
 
     def global_row(self, epoch: int, k: int) -> int:
-        total = self.plan(epoch).num_rows
+        total = self.order(epoch).num_rows
         g = k * self.world_size + self.rank
         return g if g < total else g % total
 
@@ -401,12 +407,12 @@ class BestFitPacker:
         if self.epoch >= self.epochs:
             raise StopIteration
         epoch, k = self.epoch, self.position
-        plan = self.plan(epoch)
+        order = self.order(epoch)
         if self._chunk_key is None or not (self._chunk_key[0] == epoch
                                            and self._chunk_key[1] <= k < self._chunk_key[2]):
             self._materialize(epoch, k)
         g = self.global_row(epoch, k)
-        sids = plan.row(g)
+        sids = order.row(g)
         parts = [self._chunk[int(s)] for s in sids]
         lens = np.array([len(p[0]) for p in parts], np.int64)
         n = int(lens.sum())
@@ -418,21 +424,20 @@ class BestFitPacker:
         position_ids = np.arange(n + pad, dtype=np.int64) - np.repeat(starts, doc_lengths)
         self.position += 1
         self._normalize()
-        return {"input_ids": ids, "loss_mask": mask, "position_ids": position_ids,
-                "doc_lengths": doc_lengths, "num_tokens": n, "num_pad": pad,
-                "samples": sids.copy(), "epoch": epoch, "index": k, "global_index": g,
-                "state": self.state_dict()}
+        return packed_row(ids, mask, position_ids, doc_lengths, num_tokens=n, num_pad=pad,
+                          samples=sids.copy(), epoch=epoch, index=k, global_index=g,
+                          state=self.state_dict())
 
     def _materialize(self, epoch: int, k0: int) -> None:
         """Load the tokens of this rank's rows from ``k0`` to the end of ``k0``'s window."""
-        plan = self.plan(epoch)
+        order = self.order(epoch)
         n_rows = self.rows_in_epoch(epoch)
         ks = np.arange(k0, n_rows, dtype=np.int64)
         gs = ks * self.world_size + self.rank
-        gs = np.where(gs < plan.num_rows, gs, gs % max(plan.num_rows, 1))
-        win = np.searchsorted(plan.window_rows, gs, side="right") - 1
+        gs = np.where(gs < order.num_rows, gs, gs % max(order.num_rows, 1))
+        win = np.searchsorted(order.window_rows, gs, side="right") - 1
         same = (win == win[0]) & (np.concatenate([[True], np.diff(gs) > 0]).cumprod() > 0)
         end = int(np.argmin(same)) if not same.all() else len(same)
-        sids = np.concatenate([plan.row(int(g)) for g in gs[:end]])
+        sids = np.concatenate([order.row(int(g)) for g in gs[:end]])
         self._chunk = self.index.load(sids)
         self._chunk_key = (epoch, k0, k0 + end)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
+from dflash_core.rows import packed_row, producer_fields
 
 
 @dataclass
@@ -35,8 +36,8 @@ def random_row(cfg: RandomRowsConfig, index: int) -> dict[str, Any]:
     for n in lengths:
         mask[start:start + int(n * cfg.prompt_fraction)] = 0
         start += n
-    return {"input_ids": rng.integers(0, cfg.vocab_size, cfg.tokens_per_row, dtype=np.int64),
-            "loss_mask": mask, "position_ids": pos.astype(np.int64), "doc_lengths": lengths}
+    return packed_row(rng.integers(0, cfg.vocab_size, cfg.tokens_per_row, dtype=np.int64), mask,
+                      pos.astype(np.int64), lengths)
 
 
 class RandomRows(Stage):
@@ -49,7 +50,7 @@ class RandomRows(Stage):
         start = int((ctx.resume_state or {}).get("position", 0))
         for i in range(start, self.config.rows):
             row = random_row(self.config, i * ctx.world_size + ctx.rank)
-            row.update(state={"position": i + 1}, state_stage=ctx.stage,
-                       rows_per_epoch=self.config.rows, epochs=1)
+            row.update(producer_fields(state={"position": i + 1}, stage=ctx.stage, epochs=1,
+                                       rows_per_epoch=self.config.rows))
             ctx.progress(1, total=self.config.rows, unit="rows", tokens=self.config.tokens_per_row)
             yield row

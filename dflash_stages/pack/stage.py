@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from dflash_core.rows import producer_fields
 from dflash_core.stage import Stage, StageContext
 from dflash_stages.pack.packing import BestFitPacker, PackError, SampleIndex
 
@@ -96,8 +97,8 @@ class BestFitPack(Stage):
                 s["fill"] = round(s["tokens"] / (s["rows"] * cfg.tokens_per_row), 6)
                 ctx.progress(1, total=total(), unit="rows", tokens=row["num_tokens"])
                 # for the trainer: whose cursor ``state`` is, and the schedule's length
-                row.update(state_stage=ctx.stage, epochs=cfg.epochs,
-                           rows_per_epoch=rows_per_epoch.get(0) or packer.rows_in_epoch(0))
+                row.update(producer_fields(state=row["state"], stage=ctx.stage, epochs=cfg.epochs,
+                                           rows_per_epoch=rows_per_epoch.get(0) or packer.rows_in_epoch(0)))
                 yield row
                 if ctx.should_stop():
                     return

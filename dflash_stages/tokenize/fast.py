@@ -144,7 +144,7 @@ class FastEncoder:
     def encode(self, text: str) -> list[int] | None:
         is_ascii = text.isascii()
         if not is_ascii:
-            if self._pre_unicode is None:     # built on the first non-ASCII text (~2 s)
+            if self._pre_unicode is None:     # built on the first non-ASCII text (slow to build)
                 cls = _unicode_classes()
                 self._pre_unicode = re.compile(self.pattern.format(
                     L=cls["L"], M=cls["M"], N=cls["N"], WS=cls["WS"]))

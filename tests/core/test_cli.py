@@ -83,10 +83,11 @@ def test_from_runs_the_stage_and_its_descendants(cli, chain):
     assert "[src]" not in res.out
 
 
-def test_dry_run_prints_the_plan_with_reasons_and_runs_nothing(cli, chain, tmp_path):
+def test_dry_run_prints_what_would_run_with_reasons_and_runs_nothing(cli, chain, tmp_path):
     run_dir = tmp_path / "run"
     res = run(cli, chain, "--dry-run")
     assert res.code == 0, res.text
+    assert res.lines_with("dry run of", str(chain)), res.out
     for stage in STAGE_NAMES:
         assert res.lines_with(stage, " run ", "never materialized in this run dir"), res.out
     assert not run_dir.exists()  # nothing ran, nothing was written

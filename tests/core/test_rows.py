@@ -41,3 +41,36 @@ def test_docs_pack_md_names_every_field():
 
     text = (REPO / "docs" / "pack.md").read_text()
     assert all(f"`{name}`" in text for name in PACKED_ROW.names)
+
+
+def test_the_row_builders_write_exactly_the_declared_fields():
+    """Producers build rows with these, so a field renamed in the schema is renamed for all."""
+    from dflash_core.rows import (KIND, ROW_KIND, feature_row, is_row, is_target_header, packed_row,
+                                  producer_fields)
+
+    row = packed_row([5, 6], [0, 1], [0, 1], [2], **producer_fields(state={"position": 1}, stage="pack",
+                                                                     epochs=2, rows_per_epoch=3))
+    assert set(row) == set(PACKED_ROW.names)
+    check_row(row, PACKED_ROW, "extract", "pack")
+    featured = feature_row(row, features=[[0.0], [1.0]])
+    assert set(featured) == set(FEATURE_ROW.names) | {f.name for f in FEATURE_ROW.optional}
+    assert featured[KIND] == ROW_KIND and is_row(featured) and is_row(row)
+    check_row(featured, FEATURE_ROW, "train", "extract")
+    header = {KIND: "target", "model": "m"}
+    assert is_target_header(header) and not is_row(header) and not is_target_header(featured)
+
+
+def test_the_built_in_producers_write_packed_rows():
+    import numpy as np
+
+    from dflash_stages.pack.packing import BestFitPacker, SampleIndex
+    from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+
+    assert set(random_row(RandomRowsConfig(tokens_per_row=16, docs_per_row=2), 0)) == set(PACKED_ROW.names[:4])
+    samples = [{"input_ids": np.arange(n), "loss_mask": np.ones(n, np.int8)} for n in (3, 5, 4)]
+    index = SampleIndex.build(samples)
+    try:
+        row = next(iter(BestFitPacker(index, tokens_per_row=8)))
+    finally:
+        index.close()
+    assert set(PACKED_ROW.names[:4]) | {"state"} <= set(row)

@@ -1,5 +1,5 @@
 """The runner through the ``dflash_run`` fixture (dflash_core/testing.py): hooks, caching,
-``--only``/``--from`` selection and plans, in process."""
+``--only``/``--from`` selection and the dry run's decisions, in process."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_on_stage_error_hook(dflash_run):
     assert "scale" not in [a["stage"] for a in rec.of("after_stage")]
 
 
-# --------------------------------------------------------------- selection and planning
+# --------------------------------------------------------------- selection and decisions
 def _runner(run, **kw):
     pm = PluginManager(autoload=False)
     pm.add_plugin(engine_stages, "engine_stages")
@@ -122,9 +122,9 @@ def test_only_and_from_select_stages(dflash_run):
     # --from runs the stage and its descendants even when they are fresh
     assert [r.status for r in frm.values()] == ["done", "done"]
 
-    plan = {e.stage: (e.action, e.reason) for e in _runner(run, only="sink").plan()}
-    assert plan["double"][0] == "from-artifact" and plan["sink"] == ("run", "--only")
-    assert plan["src"][0] == "skip"
+    decided = {e.stage: (e.action, e.reason) for e in _runner(run, only="sink").decide()}
+    assert decided["double"][0] == "from-artifact" and decided["sink"] == ("run", "--only")
+    assert decided["src"][0] == "skip"
 
 
 def test_only_refuses_missing_stale_and_streamed_inputs(dflash_run):
@@ -153,9 +153,9 @@ def test_a_cached_stage_replays_its_artifact_to_stream_consumers(dflash_run):
     kw = {"plugins": (engine_stages,), "autoload": False}
     first = dflash_run(text, **kw)
     assert all(r.status == "done" for r in first.results.values())
-    plan = {e.stage: (e.action, e.reason) for e in _runner(first).plan()}
-    assert plan["src"][0] == plan["kept"][0] == "cached"
-    assert plan["live"] == plan["few"] == ("run", "input 'src' is streamed: runs with it")
+    decided = {e.stage: (e.action, e.reason) for e in _runner(first).decide()}
+    assert decided["src"][0] == decided["kept"][0] == "cached"
+    assert decided["live"] == decided["few"] == ("run", "input 'src' is streamed: runs with it")
     again = dflash_run(text, **kw)
     assert {s: r.status for s, r in again.results.items()} == {
         "src": "cached", "kept": "cached", "live": "done", "few": "done"}

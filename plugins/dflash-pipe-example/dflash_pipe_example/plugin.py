@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext, hookimpl
+from dflash_core.rows import packed_row, producer_fields
 
 
 @dataclass
@@ -17,9 +18,9 @@ class SequentialConfig:
 class SequentialPack(Stage):
     """First-fit in arrival order: a row closes as soon as the next sample does not fit.
 
-    Its rows carry every field of ``dflash_core.rows.PACKED_ROW``: the trainer's LR schedule needs
-    ``epochs`` and ``rows_per_epoch`` (so the rows are planned from the sample lengths before any
-    is yielded), and ``state`` is the cursor ``--resume`` hands back as ``ctx.resume_state``.
+    Its rows carry every field of ``dflash_core.rows.PACKED_ROW`` (``packed_row`` and
+    ``producer_fields`` build them): the trainer's LR schedule needs ``epochs`` and
+    ``rows_per_epoch`` (so the rows are laid out from the sample lengths before any is yielded), and ``state`` is the cursor ``--resume`` hands back as ``ctx.resume_state``.
     One epoch, one rank.
     """
 
@@ -33,24 +34,23 @@ class SequentialPack(Stage):
 
         index = SampleIndex.build(inputs["samples"])
         try:
-            plan = _plan(index.lengths.tolist(), self.config.tokens_per_row)
+            rows = _row_samples(index.lengths.tolist(), self.config.tokens_per_row)
             start = int((ctx.resume_state or {}).get("position", 0))
-            for i in range(start, len(plan)):
-                docs = index.load(plan[i])
-                ids = [int(t) for s in plan[i] for t in docs[s][0]]
-                mask = [int(m) for s in plan[i] for m in docs[s][1]]
-                lengths = [len(docs[s][0]) for s in plan[i]]
-                ctx.progress(1, total=len(plan), unit="rows", tokens=len(ids))
-                yield {"input_ids": ids, "loss_mask": mask, "doc_lengths": lengths,
-                       "position_ids": [p for n in lengths for p in range(n)],
-                       "state": {"position": i + 1}, "state_stage": ctx.stage,
-                       "epochs": 1, "rows_per_epoch": len(plan)}
-            ctx.summary["rows"] = len(plan)
+            for i in range(start, len(rows)):
+                docs = index.load(rows[i])
+                ids = [int(t) for s in rows[i] for t in docs[s][0]]
+                mask = [int(m) for s in rows[i] for m in docs[s][1]]
+                lengths = [len(docs[s][0]) for s in rows[i]]
+                ctx.progress(1, total=len(rows), unit="rows", tokens=len(ids))
+                yield packed_row(ids, mask, [p for n in lengths for p in range(n)], lengths,
+                                 **producer_fields(state={"position": i + 1}, stage=ctx.stage, epochs=1,
+                                                   rows_per_epoch=len(rows)))
+            ctx.summary["rows"] = len(rows)
         finally:
             index.close()
 
 
-def _plan(lengths: list[int], limit: int) -> list[list[int]]:
+def _row_samples(lengths: list[int], limit: int) -> list[list[int]]:
     """Sample ids of each row, in arrival order."""
     rows: list[list[int]] = []
     used = limit

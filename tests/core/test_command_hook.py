@@ -1,0 +1,103 @@
+"""``dflash_pipe_add_commands``: a plugin adds ``dflash-pipe`` commands. A module given with
+``-p module`` (a real file on ``sys.path``) adds one that runs, the built-in plugin adds
+``evaluate`` and ``plan`` the same way, and ``-p no:builtin`` takes those away."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from dflash_core.cli.main import build_parser, main
+from dflash_core.plugins import BUILTIN_PLUGIN
+from tests.conftest import REPO, CLIResult, cli_env
+
+PLUGIN = "dflash_test_commands"
+SOURCE = '''
+from dflash_core import hookimpl
+
+
+def _hello(args):
+    print(f"hello {args.name} x{args.times}")
+    return 3
+
+
+@hookimpl
+def dflash_pipe_add_commands(subparsers, common):
+    p = subparsers.add_parser("hello", parents=[common], help="greet NAME (a test plugin's command)")
+    p.add_argument("name")
+    p.add_argument("--times", type=int, default=1)
+    p.set_defaults(func=_hello)
+'''
+
+
+def commands(argv: list[str]) -> set[str]:
+    """The commands ``dflash-pipe`` offers with these options (``-p`` ones count)."""
+    parser = build_parser(argv)
+    return {name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for name in action.choices}
+
+
+@pytest.fixture
+def command_plugin(tmp_path, monkeypatch):
+    (tmp_path / f"{PLUGIN}.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop(PLUGIN, None)
+
+
+@pytest.fixture
+def cli_exits(capsys, monkeypatch):
+    """``main(argv)`` for commands that may end in argparse's ``SystemExit`` (``--help``, a bad
+    command): the exit code either way, and what was printed."""
+    monkeypatch.setenv("COLUMNS", "250")
+
+    def run(*argv: str) -> CLIResult:
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        captured = capsys.readouterr()
+        return CLIResult(code, captured.out, captured.err)
+
+    return run
+
+
+def test_plugin_command_runs_and_returns_its_exit_code(command_plugin, cli_exits):
+    res = cli_exits("hello", "-p", PLUGIN, "world", "--times", "2")
+    assert res.code == 3, res.text
+    assert "hello world x2" in res.out
+
+    res = cli_exits("hello", "-p", PLUGIN, "--help")
+    assert res.code == 0, res.text
+    assert "--times" in res.out and "--traceback" in res.out  # its own options and the common ones
+
+    assert "hello" in commands(["-p", PLUGIN])
+    assert "hello" not in commands([])  # not loaded: no such command
+    res = cli_exits("hello", "world")
+    assert res.code == 2 and "invalid choice: 'hello'" in res.err, res.text
+
+
+def test_plugin_command_runs_from_the_installed_entry_point(command_plugin):
+    """The same through a fresh ``dflash-pipe`` process, the plugin found on PYTHONPATH."""
+    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli.main", "hello", "-p", PLUGIN, "there"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cli_env([command_plugin]))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "hello there x1" in proc.stdout
+
+
+@pytest.mark.parametrize("command, option", [("evaluate", "--num-prompts"), ("plan", "--rates")])
+def test_builtin_commands_come_through_the_hook_and_go_with_their_plugin(cli_exits, command, option):
+    res = cli_exits(command, "--help")
+    assert res.code == 0, res.text
+    assert option in res.out
+
+    res = cli_exits(command, "--help", "-p", f"no:{BUILTIN_PLUGIN}")
+    assert res.code == 2, res.text
+    assert f"invalid choice: '{command}'" in res.err
+    remaining = commands(["-p", f"no:{BUILTIN_PLUGIN}"])
+    assert command not in remaining and {"run", "validate", "status"} <= remaining  # the engine's stay
