@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core import Stage, StageContext
+from dflash_core.rows import PACKED_ROW, checked, feature_row
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.settings import check_compile_setting, peak_gib
-from dflash_core.rows import PACKED_ROW, checked
 
 
 @dataclass
@@ -96,6 +96,6 @@ class HFHooksExtract(Stage):
             rows += 1
             tokens += T
             ctx.progress(1, unit="rows", tokens=T)
-            yield {**row, "kind": "row", "features": feats, "last_hidden": last}
+            yield feature_row(row, feats, last)
         ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device))
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from dflash_core.rows import KIND, TARGET_KIND
 from dflash_model.drafter.layers import validate_target_layer_ids
 from dflash_model.target.load import text_config
 
@@ -62,7 +63,7 @@ def target_header(name: str, model: nn.Module, layer_ids: Sequence[int], tokeniz
     """The first item of extract's stream: what the trainer needs of the target (its config, the
     layers read, the frozen embedding and LM head, the tokenizer's size and special ids)."""
     embed, head = embeddings_and_head(model)
-    return {"kind": "target", "model": name, "config": model.config.to_dict(),
+    return {KIND: TARGET_KIND, "model": name, "config": model.config.to_dict(),
             "target_layer_ids": list(layer_ids), "embed_weight": embed, "lm_head_weight": head,
             "tokenizer_len": len(tokenizer), "all_special_ids": list(getattr(tokenizer, "all_special_ids", []))}
 

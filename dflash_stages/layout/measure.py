@@ -157,6 +157,7 @@ def _time_target(extract_cfg: Any, tokens: int, rows: int, clock: _Clock, log: C
     """The target as extract runs it (``ExtractConfig.load_target``), timed on random packed rows:
     (its ``Measured`` fields, one row with its features, the target header with the verifier
     weights copied to the CPU). The caller's references are the last to the target."""
+    from dflash_core.rows import feature_row
     from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
 
     log(f"loading target {extract_cfg.model} on {clock.dev}")
@@ -168,7 +169,7 @@ def _time_target(extract_cfg: Any, tokens: int, rows: int, clock: _Clock, log: C
 
     def forward(row: dict[str, Any]) -> dict[str, Any]:
         feats, last = target.capture.capture_row(row)
-        return dict(row, features=feats, last_hidden=last)
+        return feature_row(row, feats, last)
 
     warm_t = clock.timed(lambda: forward(batch[0]))
     log(f"target warm-up forward: {warm_t:.2f} s")

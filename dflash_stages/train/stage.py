@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.rows import FEATURE_ROW, checked
+from dflash_core.rows import FEATURE_ROW, checked, is_target_header
 from dflash_stages.train.config import TrainConfig
 
 
@@ -51,8 +51,8 @@ class DFlashTrain(Stage):
         trainer = Trainer(self.config, ctx)
         rows = checked(inputs["features"], FEATURE_ROW, ctx.stage, ctx.upstream("features"))
         header = next(rows, None)
-        if header is None or header.get("kind") != "target":
+        if not is_target_header(header):
             raise ValueError("train expects the extract stage's target header as its first item")
         trainer.setup(header)
         # fed by several extract ranks (fan-in), each sends its own copy of the header
-        yield from trainer.fit(r for r in rows if r.get("kind") != "target")
+        yield from trainer.fit(r for r in rows if not is_target_header(r))
