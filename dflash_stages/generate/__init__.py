@@ -1,0 +1,1 @@
+"""The generate stage (the target writes the responses) and its prompt reading."""
