@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from dflash_model.drafter.config import DrafterConfig
 
-H200_BF16_PEAK = 744e12  # measured bf16 matmul FLOP/s on the H200 (DESIGN §8), the MFU denominator
+H200_BF16_PEAK = 744e12  # the MFU denominator: DESIGN §8's bf16 matmul rate of the H200
 
 
 def training_flops(cfg: DrafterConfig, num_tokens: int, num_anchors: int,

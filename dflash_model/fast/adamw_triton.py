@@ -1,13 +1,11 @@
 """AdamW and the gradient norm as Triton kernels, one full-grid launch per parameter (CUDA).
 
 Why: torch's fused AdamW and ``_foreach_norm`` walk the parameters in multi-tensor launches of
-a few hundred blocks each; on the H200 the 1.05B-parameter drafter's update streamed at ~2.5 TB/s
-(5.4-7.9 ms of the step) where the memory does more. A launch per parameter fills the GPU. It
-costs the host two Triton launches per parameter a step, which the training step hides (its host
-needs 19-29 ms a step against ~135 ms of GPU work: ``benchmarks/train_step.py``'s host time), and
-the two small kernels compile in about two seconds, where Inductor's foreach code for the same
-update took 6-20 s. (One launch for all parameters, through device tables of pointers, was
-measured slower: 6.0 vs 3.7 ms.)
+a few hundred blocks each, too few to stream a large drafter's update at the memory's speed. A
+launch per parameter fills the GPU. It costs the host two Triton launches per parameter a step,
+which the training step hides (its host time is a fraction of its GPU time), and the two small
+kernels compile in seconds, much faster than Inductor's foreach code for the same update. One
+launch for all parameters, through device tables of pointers, was slower (docs/benchmarks.md).
 
 The arithmetic and the state layout are torch's fused AdamW's (``step`` a float32 tensor on the
 parameter's device, ``exp_avg``/``exp_avg_sq`` in the parameter's dtype, float32 math, IEEE
@@ -24,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements per program of the update (H200: 3.7 ms; 512-4096 within 13%)
-NORM_BLOCK = 2048  # ... and of the norm (0.63 ms; 0.79 at 1024)
+BLOCK = 1024  # elements per program of the update (the fastest measured; benchmarks/optim_step.py)
+NORM_BLOCK = 2048  # ... and of the norm
 NUM_WARPS = 4
 
 

@@ -3,12 +3,11 @@
 Why: between its two products (logits = h @ W.T, then d loss/d h = g @ W) a chunk reads the
 [rows, V] logits to reduce them (max, sum of exponentials, argmax, the label's logit) and again to
 write the gradient g = coef · (softmax - onehot). Inductor's fused kernel for this gives each row
-(151,936 logits) to one program: ~0.43 ms per 960-row chunk on the H200, 4.2 ms of the drafter
-step. Here the row is cut into tiles of ``BLOCK`` logits, one program per (row, tile): the first
+(151,936 logits) to one program, far fewer programs than the GPU has room for. Here the row is cut into tiles of ``BLOCK`` logits, one program per (row, tile): the first
 kernel writes each tile's max, sum of exponentials and first argmax (and the label's logit, from
 the tile holding it), the second combines a row's partials into its log-sum-exp and overwrites the
-tile with the gradient in place. One read, then one read and one write of the logits, by ~36,000
-programs a chunk: 0.28 ms (3.2 TB/s), 2.5 ms of the step.
+tile with the gradient in place. One read, then one read and one write of the logits, by tens of
+thousands of programs a chunk, close to the memory's speed (docs/benchmarks.md).
 
 Same arithmetic as ``loss._hard_chunk`` (float32 math on the logits as the product rounded them;
 argmax the first maximum, as torch's); the CPU tests run these kernels through Triton's
@@ -21,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # logits per program (H200: 2,048 as fast; 8 or 16 warps 4-30% slower)
+BLOCK = 4096  # logits per program (the fastest measured with 4 warps; benchmarks/loss_chunk.py)
 NUM_WARPS = 4
 
 

@@ -15,8 +15,8 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
           kernel: str = "auto") -> torch.optim.AdamW:
     """Fused AdamW: one pass over parameters, gradients and moments per step, taking the clip
     as a divisor (``clipped_step``). ``kernel``: "torch" = ``torch.optim.AdamW(fused=True)`` (CPU
-    and CUDA); "triton" = ``adamw_triton.TritonAdamW`` (CUDA; same state, norm + update
-    1.5x as fast on the H200); "auto" = triton where every parameter is on CUDA and triton is installed."""
+    and CUDA); "triton" = ``adamw_triton.TritonAdamW`` (CUDA; same state, a faster norm and
+    update); "auto" = triton where every parameter is on CUDA and triton is installed."""
     if kernel not in KERNELS:
         raise ValueError(f"adamw kernel must be one of {KERNELS}, got {kernel!r}")
     params = list(params)
@@ -36,8 +36,8 @@ def clipped_step(opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Te
     """Clip the gradients to global L2 norm ``max_norm`` (as ``clip_grad_norm_``; None or 0: no
     clip), take the optimizer step, and return the norm before clipping.
 
-    ``clip_grad_norm_`` rescales every gradient in place: one more read and write of all of them
-    (0.8 ms on an H200 for the 1.05B-parameter drafter). The fused AdamW kernels divide each gradient by
+    ``clip_grad_norm_`` rescales every gradient in place: one more read and write of all of them.
+    The fused AdamW kernels divide each gradient by
     ``grad_scale`` as they read it (the hook AMP's GradScaler uses), so here the clip costs only
     the norm. The divisor is the inverse of ``clip_grad_norm_``'s factor, clamped the same way."""
     grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
