@@ -16,7 +16,7 @@ from dflash_model.drafter.draft import draft_block, draft_blocks
 from dflash_model.drafter.export import export_drafter, export_tensor_names, load_drafter, read_export_config
 from dflash_model.drafter.flops import H200_BF16_PEAK, training_flops
 from dflash_model.drafter.layers import default_target_layer_ids, from_aux_layer_ids, to_aux_layer_ids
-from dflash_model.drafter.loss import LossOutput, drafter_loss, tau_sim
+from dflash_model.drafter.loss import LossOutput, drafter_loss, tau_serve, tau_sim
 from dflash_model.drafter.mask import BlockLayout
 from dflash_model.drafter.model import DFlashDrafter
 
@@ -24,7 +24,7 @@ __all__ = [
     "DFlashDrafter", "DrafterConfig", "BlockLayout", "LossOutput",
     "default_target_layer_ids", "to_aux_layer_ids", "from_aux_layer_ids",
     "sample_anchors", "anchor_candidates", "block_labels", "build_blocks", "doc_ids_from_lengths",
-    "slot_weights", "default_gamma", "pick_mask_token_id", "tau_sim",
+    "slot_weights", "default_gamma", "pick_mask_token_id", "tau_sim", "tau_serve",
     "drafter_loss", "draft_block", "draft_blocks", "export_drafter", "load_drafter", "read_export_config",
     "export_tensor_names", "training_flops", "H200_BF16_PEAK",
 ]

@@ -142,7 +142,8 @@ class LossOutput:
 
     Nothing here is read back to the host: the caller decides when to pay for a sync (the trainer
     does it once per log window). per_slot_* are over slots 1..B-1; a slot counts only where
-    supervised. tau_sim treats an unsupervised slot as a miss (acceptance stops there).
+    supervised. tau_sim treats an unsupervised slot as a miss (acceptance stops there); tau_serve
+    is the τ a served decode would make on the same blocks (``tau_serve``).
     acc/per_slot_acc are NaN when empty. n_blocks counts real (not padding) blocks.
     """
 
@@ -152,6 +153,7 @@ class LossOutput:
     per_slot_count: torch.Tensor
     acc: torch.Tensor
     tau_sim: torch.Tensor
+    tau_serve: torch.Tensor
     n_blocks: int
     n_supervised: torch.Tensor
 
@@ -161,10 +163,30 @@ def tau_sim(correct: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
     ``valid`` [N] bool leaves padding blocks out (without a host sync)."""
     if correct.shape[0] == 0:
         return torch.tensor(math.nan, dtype=torch.float64)
-    accepted = (1 + correct.long().cumprod(dim=1).sum(dim=1)).double()
+    accepted = _block_tau(correct)
     if valid is None:
         return accepted.mean()
     return (accepted * valid).sum() / valid.sum()
+
+
+def tau_serve(correct: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The τ a served decode would make on the text of these blocks: their harmonic mean τ.
+
+    A decode does not draft at every anchor. It crosses a stretch where τ is high in a few cycles
+    and spends many cycles in a stretch where τ is low, so its τ (tokens per cycle) is the number
+    of blocks over the sum of 1/τ, where ``tau_sim`` is the plain mean. Exact where τ stays the same
+    along each cycle's span; an estimate otherwise. Same arguments as ``tau_sim``."""
+    if correct.shape[0] == 0:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    inverse = 1 / _block_tau(correct)
+    if valid is None:
+        return 1 / inverse.mean()
+    return valid.sum() / (inverse * valid).sum()
+
+
+def _block_tau(correct: torch.Tensor) -> torch.Tensor:
+    """Each block's τ: 1 + its leading correct slots, in float64."""
+    return (1 + correct.long().cumprod(dim=1).sum(dim=1)).double()
 
 
 def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torch.Tensor,
@@ -224,4 +246,5 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     return LossOutput(
         loss=loss, per_slot_acc=per_correct.double() / count.double(), per_slot_correct=per_correct,
         per_slot_count=count, acc=per_correct.sum().double() / count.sum().double(),
-        tau_sim=tau_sim(correct, valid), n_blocks=n_real, n_supervised=count.sum())
+        tau_sim=tau_sim(correct, valid), tau_serve=tau_serve(correct, valid), n_blocks=n_real,
+        n_supervised=count.sum())

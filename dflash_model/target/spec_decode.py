@@ -347,12 +347,14 @@ def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequen
         keep = torch.tensor(sorted(set(int(a) for a in anchors_given)), dtype=torch.long, device=dev)
         anchors = anchors[torch.isin(anchors, keep)]
     if anchors.numel() == 0:
-        return {"tau_sim": float("nan"), "loss": float("nan"), "acc": float("nan"), "n_blocks": 0}
+        return {"tau_sim": float("nan"), "tau_serve": float("nan"), "loss": float("nan"), "acc": float("nan"),
+                "n_blocks": 0}
     if features is None:
         ids_layers = layer_ids if layer_ids is not None else drafter.config.target_layer_ids
         features = FeatureCapture(target, ids_layers).capture(ids[None])[0][0]
     dtype = next(drafter.parameters()).dtype
     out = drafter_loss(drafter, features.to(dtype), ids, loss_mask, torch.arange(T, device=dev), [T], anchors,
                        embed_weight, lm_head_weight, attn_backend="sdpa")
-    return {"tau_sim": float(out.tau_sim), "loss": float(out.loss), "acc": float(out.acc),
+    return {"tau_sim": float(out.tau_sim), "tau_serve": float(out.tau_serve), "loss": float(out.loss),
+            "acc": float(out.acc),
             "n_blocks": int(out.n_blocks)}

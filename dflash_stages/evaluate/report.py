@@ -109,8 +109,10 @@ def render_table(report: Mapping[str, Any]) -> Any:
     head.add_row("τ (served, mean per cycle)", _num(report.get("tau")), _num(report.get("tau_ngram")))
     head.add_row("τ_sim (teacher-forced, the served blocks)", _num(report.get("tau_sim")), "")
     head.add_row("τ_sim (teacher-forced, every anchor)", _num(report.get("tau_sim_all")), "")
+    head.add_row("τ_serve (every anchor, harmonic: what a decode makes)", _num(report.get("tau_serve_all")), "")
     if report.get("training"):
         head.add_row("τ_sim (last training log)", _num(report["training"].get("tau_sim_train")), "")
+        head.add_row("τ_serve (last training log)", _num(report["training"].get("tau_serve_train")), "")
     gap = report.get("gap")
     head.add_row("gap (τ_sim − τ) / τ_sim",
                  Text(_num(gap * 100 if gap is not None else None, "{:+.1f}%"),

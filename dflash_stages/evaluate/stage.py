@@ -60,7 +60,7 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
     last = recs[-1]
     out: dict[str, Any] = {"steps": int(last["step"]), "records": len(recs),
                            "loss": last.get("loss"), "acc": last.get("acc"),
-                           "tau_sim_train": last.get("tau_sim")}
+                           "tau_sim_train": last.get("tau_sim"), "tau_serve_train": last.get("tau_serve")}
     for key in ("elapsed_s", "train_time_s", "time_s", "wall_s"):
         if key in last:
             out["train_time_s"] = float(last[key])
@@ -89,7 +89,7 @@ def compute_gap(tau: float, tau_sim: float | None, threshold: float = GAP_THRESH
     return gap, abs(gap) > threshold
 
 
-NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "sim_loss": None, "sim_acc": None}
+NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "tau_serve_all": None, "sim_loss": None, "sim_acc": None}
 
 
 @dataclass
@@ -252,7 +252,8 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
         feats = capture.capture(torch.tensor([list(prompt) + list(out)], device=dev))[0][0]  # one forward, two uses
         sim = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, anchors=anchors, features=feats)
         sim_all = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, features=feats)
-        row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], sim_loss=sim_all["loss"])
+        row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], tau_serve_all=sim_all["tau_serve"],
+                   sim_loss=sim_all["loss"])
         at.append(sim)
         every.append(sim_all)
 
@@ -260,8 +261,12 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
         n = sum(s["n_blocks"] for s in sims)
         return sum(s[key] * s["n_blocks"] for s in sims if s["n_blocks"]) / n if n else None
 
+    def harmonic(sims: list[dict[str, Any]]) -> float | None:  # pools tau_serve: blocks over the sum of 1/τ
+        n = sum(s["n_blocks"] for s in sims)
+        return n / sum(s["n_blocks"] / s["tau_serve"] for s in sims if s["n_blocks"]) if n else None
+
     return {"tau_sim": weighted(at, "tau_sim"), "tau_sim_all": weighted(every, "tau_sim"),
-            "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc")}
+            "tau_serve_all": harmonic(every), "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc")}
 
 
 def add_warnings(report: dict[str, Any]) -> None:

@@ -44,7 +44,7 @@ class StepStats:
     """Rows trained on: ``rows_per_step``, fewer only for a stream's last, partial step."""
     tokens: int
     row_stats: list[dict[str, torch.Tensor]]
-    """Per row that had anchors: ``loss``, ``acc``, ``tau_sim``, ``per_slot_acc``."""
+    """Per row that had anchors: ``loss``, ``acc``, ``tau_sim``, ``tau_serve``, ``per_slot_acc``."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping."""
     lr: float
@@ -300,7 +300,7 @@ class Trainer:
             compile_loss=self.compiled)
         (out.loss / cfg.rows_per_step).backward()
         # tensors, not floats: reading them back would stall the GPU every row; _log syncs once
-        return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim,
+        return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve,
                 "per_slot_acc": out.per_slot_acc}
 
     def _optimizer_step(self, total: int | None) -> tuple[torch.Tensor, float]:
@@ -345,9 +345,9 @@ class Trainer:
              tps: float) -> None:
         if not window:
             return
-        means = torch.stack([torch.stack([w[k].double().cpu() for k in ("loss", "acc", "tau_sim")])
+        means = torch.stack([torch.stack([w[k].double().cpu() for k in ("loss", "acc", "tau_sim", "tau_serve")])
                              for w in window]).mean(0).tolist()  # the one host sync of the window
-        record = {"step": self.step, "loss": means[0], "acc": means[1], "tau_sim": means[2],
+        record = {"step": self.step, "loss": means[0], "acc": means[1], "tau_sim": means[2], "tau_serve": means[3],
                   "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
                   "tokens": self.tokens_seen, "elapsed_s": now() - self.started, "time": time.time(),
                   "per_slot_acc": [round(a, 4) for a in window[-1]["per_slot_acc"].tolist()]}
@@ -358,7 +358,7 @@ class Trainer:
         if self.ctx.rank == 0:
             append_metrics(self.metrics_file, record)
             if self.tb is not None:
-                for key in ("loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s"):
+                for key in ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s"):
                     self.tb.add_scalar(f"train/{key}", record[key], self.step)
 
     # -------------------------------------------------------------- snapshots

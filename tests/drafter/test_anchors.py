@@ -1,10 +1,11 @@
 import math
 
+import pytest
 import torch
 from conftest import packed_row
 
 from dflash_model.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths, sample_anchors,
-                                 slot_weights, tau_sim)
+                                 slot_weights, tau_serve, tau_sim)
 
 
 def test_doc_ids_from_lengths_marks_padding():
@@ -70,3 +71,20 @@ def test_slot_weights():
 def test_tau_sim_counts_leading_correct_slots():
     c = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert tau_sim(c).item() == (3 + 1 + 4) / 3
+    assert tau_serve(c).item() == pytest.approx(3 / (1 / 3 + 1 / 1 + 1 / 4))  # the harmonic mean
+    valid = torch.tensor([True, False, True])
+    assert tau_sim(c, valid).item() == (3 + 4) / 2 and tau_serve(c, valid).item() == pytest.approx(2 / (1 / 3 + 1 / 4))
+
+
+def test_tau_serve_is_the_tau_of_a_decode_that_walks_the_text():
+    """Where each stretch of text has one τ and spans whole cycles, a decode that drafts at its
+    position, accepts, and moves on by τ makes exactly tau_serve tokens a cycle; tau_sim, the mean
+    over every anchor, overstates it (here 5.5 against 1.8)."""
+    B = 16
+    taus = [10] * 50 + [1] * 50  # τ at each position of a 100-token text
+    pos, cycles = 0, 0
+    while pos < len(taus):
+        pos, cycles = pos + taus[pos], cycles + 1
+    lead = torch.tensor([[k < t - 1 for k in range(B - 1)] for t in taus])
+    assert tau_sim(lead).item() == 5.5
+    assert tau_serve(lead).item() == pytest.approx(len(taus) / cycles) == 100 / 55

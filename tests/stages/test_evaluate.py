@@ -330,3 +330,19 @@ def test_tau_sim_is_measured_on_the_served_output(target, prompts, monkeypatch):
         assert row["tau_sim"] == pytest.approx(row["tau"], abs=1e-6)
         assert row["generated"] == 24
     assert rep["tau_sim"] == pytest.approx(rep["tau"], abs=1e-6) and not rep["gap_flag"]
+
+
+def test_tau_serve_estimates_the_served_tau_where_tau_sim_all_does_not(target):
+    """Half the prompts are ones the drafter learnt by heart, half are new: τ per anchor is high on
+    the first and ~1 on the second. Served τ is tokens per cycle, so the plain mean over every
+    anchor (tau_sim_all) overstates it; the harmonic mean (tau_serve_all) is close to it."""
+    from dflash_stages.evaluate.stage import evaluate_drafter
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100) for _ in range(n)] for n in (5, 9, 3, 7, 4, 6, 8, 5)]
+    refs = [greedy_decode(target, p, 48) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts[:4], refs[:4])
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=48, baseline=False, batch_size=4)
+    assert rep["tau_sim_all"] > 1.4 * rep["tau"]
+    assert abs(rep["tau_serve_all"] - rep["tau"]) < 0.1 * rep["tau"]
+    assert all(r["tau_serve_all"] <= r["tau_sim_all"] for r in rep["per_prompt"])

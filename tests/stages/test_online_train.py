@@ -199,6 +199,7 @@ def test_short_run_learns_and_exports(tmp_path: Path, target: Path, monkeypatch)
     first, last = log[0], log[-1]
     assert last["loss"] < 0.5 * first["loss"], log
     assert last["tau_sim"] >= first["tau_sim"] + 0.5, log
+    assert all(1 <= m["tau_serve"] <= m["tau_sim"] for m in log), log  # a harmonic mean is at most the mean
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
