@@ -235,54 +235,82 @@ def init_process(threads: int) -> None:
 
 
 def process_batch(cfg: dict, source: str, entries: list[tuple[int, bytes | None, int]]) -> BatchResult:
-    """Lines ``(line_no, raw bytes | None if too large, size)`` of one file → samples + reports."""
+    """Lines ``(line_no, raw bytes | None if too large, size)`` of one file → samples + reports.
+
+    Rendering is per record (Python), tokenizing is one batch for all of them (Rust), then each
+    record's spans, mask and filters; a record that fails any step is quarantined, not raised."""
     w = get_worker(cfg)
     res = BatchResult(np.zeros(0, np.int32), np.zeros(0, np.int8), np.zeros(0, np.int32),
                       np.zeros(0, np.int32), records=len(entries))
+    todo, texts = _render_batch(w, cfg, source, entries, res)
+    _pack(res, _mask_batch(w, cfg, source, todo, w.encode(texts), res))
+    return res
 
-    def quarantine(line: int, raw: bytes, err: RecordError) -> None:
-        res.quarantine.append({"file": source, "line": line, "reason": err.reason,
-                               "detail": err.detail, "excerpt": excerpt(raw)})
 
-    # parse + normalize + render (Python); collect texts to tokenize in one batch
-    todo = []          # (line, raw, n_turns)
+def _quarantine(res: BatchResult, source: str, line: int, raw: bytes, err: RecordError) -> None:
+    """Report a rejected record with its place and an excerpt, so that it can be found and fixed."""
+    res.quarantine.append({"file": source, "line": line, "reason": err.reason,
+                           "detail": err.detail, "excerpt": excerpt(raw)})
+
+
+def _render_batch(w: Worker, cfg: dict, source: str, entries: list[tuple[int, bytes | None, int]],
+                  res: BatchResult) -> tuple[list[tuple[int, bytes, int]], list[str]]:
+    """Render every record, collecting the texts so that they are tokenized in one batch.
+
+    Returns ``(line, raw, n_turns)`` per rendered record and, per record in the same order, its
+    full conversation followed by the ``n_turns`` generation prompts."""
+    todo = []
     texts: list[str] = []
     for line, raw, size in entries:
         if raw is None or size > cfg["max_record_bytes"]:
-            quarantine(line, raw or b"", RecordError(
+            _quarantine(res, source, line, raw or b"", RecordError(
                 "record_too_large", f"{size} bytes > max_record_bytes {cfg['max_record_bytes']}"))
             continue
         try:
-            record, bom = parse_line(raw, first_line=line == 1)
-            if bom:
-                res.count("bom_stripped")
-            messages, tools, dropped = normalize(record, thinking=cfg["thinking"],
-                                                 reasoning_field=w.reasoning_field,
-                                                 specials=w.specials)
-            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            try:
-                rendered = [w.render(messages, tools, False)]
-                rendered += [w.render(messages[:i], tools, True) for i in turns]
-            except Exception as e:  # jinja errors, raise_exception(), bad tool schemas …
-                raise RecordError("template_error", f"{type(e).__name__}: {e}"[:300]) from None
-            for text in rendered:   # JSON escapes can smuggle in lone surrogates
-                if not text.isascii():
-                    try:
-                        text.encode("utf-8")
-                    except UnicodeEncodeError as e:
-                        raise RecordError("invalid_utf8", f"lone surrogate {e.object[e.start]!r} "
-                                                          "(a \\ud8xx escape)") from None
+            rendered, n_turns, dropped = _render_record(w, cfg, line, raw, res)
         except RecordError as e:
-            quarantine(line, raw, e)
+            _quarantine(res, source, line, raw, e)
             continue
         if dropped:
             res.count("reasoning_dropped")
-        res.count("assistant_turns", len(turns))
-        todo.append((line, raw, len(turns)))
+        res.count("assistant_turns", n_turns)
+        todo.append((line, raw, n_turns))
         texts.extend(rendered)
+    return todo, texts
 
-    encoded = w.encode(texts)
-    ids_out, mask_out, lengths, lines = [], [], [], []
+
+def _render_record(w: Worker, cfg: dict, line: int, raw: bytes, res: BatchResult
+                   ) -> tuple[list[str], int, bool]:
+    """Parse, normalize and render one record: the whole conversation, then the generation prompt
+    before each assistant turn (the module doc says why both). Returns ``(texts, n_turns,
+    reasoning dropped)``; raises ``RecordError`` for a record the template cannot take."""
+    record, bom = parse_line(raw, first_line=line == 1)
+    if bom:
+        res.count("bom_stripped")
+    messages, tools, dropped = normalize(record, thinking=cfg["thinking"],
+                                         reasoning_field=w.reasoning_field, specials=w.specials)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    try:
+        rendered = [w.render(messages, tools, False)]
+        rendered += [w.render(messages[:i], tools, True) for i in turns]
+    except Exception as e:  # jinja errors, raise_exception(), bad tool schemas …
+        raise RecordError("template_error", f"{type(e).__name__}: {e}"[:300]) from None
+    for text in rendered:   # JSON escapes can smuggle in lone surrogates
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RecordError("invalid_utf8", f"lone surrogate {e.object[e.start]!r} "
+                                                  "(a \\ud8xx escape)") from None
+    return rendered, len(turns), dropped
+
+
+def _mask_batch(w: Worker, cfg: dict, source: str, todo: list[tuple[int, bytes, int]],
+                encoded: list[np.ndarray], res: BatchResult
+                ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Match each record's tokens with its prompts' to find the assistant spans; the kept samples
+    as ``(line, ids, mask)``. A record whose spans cannot be found is quarantined."""
+    kept = []
     pos = 0
     for line, raw, n_turns in todo:
         ids, prompts = encoded[pos], encoded[pos + 1: pos + 1 + n_turns]
@@ -290,30 +318,40 @@ def process_batch(cfg: dict, source: str, entries: list[tuple[int, bytes | None,
         try:
             spans = w.spans(ids, prompts, res)
         except RecordError as e:
-            quarantine(line, raw, e)
+            _quarantine(res, source, line, raw, e)
             continue
-        mask = np.zeros(len(ids), np.int8)
-        for s, e in spans:
-            mask[s:e] = 1
-        if len(ids) > cfg["max_len"]:
-            if cfg["overflow"] == "drop":
-                res.filtered["too_long"] = res.filtered.get("too_long", 0) + 1
-                res.hist[hist_index(int(mask.sum()))] += 1
-                continue
-            ids, mask = ids[: cfg["max_len"]], mask[: cfg["max_len"]]
-            res.count("truncated")
-        n_loss = int(mask.sum())
-        res.hist[hist_index(n_loss)] += 1
-        if n_loss < cfg["min_loss_tokens"]:
-            res.filtered["min_loss_tokens"] = res.filtered.get("min_loss_tokens", 0) + 1
-            continue
-        ids_out.append(ids)
-        mask_out.append(mask)
-        lengths.append(len(ids))
-        lines.append(line)
-    if ids_out:
-        res.ids = np.concatenate(ids_out)
-        res.mask = np.concatenate(mask_out)
-        res.lengths = np.array(lengths, np.int32)
-        res.lines = np.array(lines, np.int32)
-    return res
+        sample = _sample(cfg, ids, spans, res)
+        if sample is not None:
+            kept.append((line, *sample))
+    return kept
+
+
+def _sample(cfg: dict, ids: np.ndarray, spans: list[tuple[int, int]], res: BatchResult
+            ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The loss mask of ``spans``, then the length and loss-token filters: ``(ids, mask)``, or None
+    for a filtered sample (counted in ``res.filtered``; the histogram counts it either way)."""
+    mask = np.zeros(len(ids), np.int8)
+    for s, e in spans:
+        mask[s:e] = 1
+    if len(ids) > cfg["max_len"]:
+        if cfg["overflow"] == "drop":
+            res.filtered["too_long"] = res.filtered.get("too_long", 0) + 1
+            res.hist[hist_index(int(mask.sum()))] += 1
+            return None
+        ids, mask = ids[: cfg["max_len"]], mask[: cfg["max_len"]]
+        res.count("truncated")
+    n_loss = int(mask.sum())
+    res.hist[hist_index(n_loss)] += 1
+    if n_loss < cfg["min_loss_tokens"]:
+        res.filtered["min_loss_tokens"] = res.filtered.get("min_loss_tokens", 0) + 1
+        return None
+    return ids, mask
+
+
+def _pack(res: BatchResult, kept: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+    """Concatenate the kept samples into ``res``'s flat buffers (one pickle-friendly array each)."""
+    if kept:
+        res.ids = np.concatenate([ids for _, ids, _ in kept])
+        res.mask = np.concatenate([mask for _, _, mask in kept])
+        res.lengths = np.array([len(ids) for _, ids, _ in kept], np.int32)
+        res.lines = np.array([line for line, _, _ in kept], np.int32)

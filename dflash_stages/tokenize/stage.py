@@ -19,7 +19,7 @@ import json
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Generator, Iterator, Literal, Mapping
 
 from dflash_core.stage import Stage, StageContext
 from dflash_core.artifacts import write_json
@@ -101,75 +101,68 @@ class ChatTemplateTokenize(Stage):
         import fsspec
 
         cfg: TokenizeConfig = self.config
-        wcfg = dataclasses.asdict(cfg)
-        for key in ("workers", "batch_size", "shard_samples"):
-            wcfg.pop(key)
         items = file_items(inputs["files"])
         fs, root = fsspec.core.url_to_fs(ctx.work_dir)
         fs.makedirs(root, exist_ok=True)
         stats = new_stats(cfg)
         writer = ShardWriter(fs, root, ctx.work_dir, cfg.shard_samples)
-        pool = None
-        if cfg.workers > 0:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            from dflash_stages.tokenize.masks import init_process
-
-            threads = max(1, (os.cpu_count() or 1) // cfg.workers)
-            pool = ProcessPoolExecutor(cfg.workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=init_process, initargs=(threads,))
-        from dflash_stages.tokenize.masks import process_batch
-
-        pending: deque = deque()
-        limit = 2 * max(1, cfg.workers) + 1
+        pool = _start_pool(cfg.workers)
         stopped = False
         try:
             with fs.open(join(root, "quarantine.jsonl"), "w") as qfile:
-                def collect() -> Iterator[dict]:
-                    source, fut = pending.popleft()
-                    res = fut.result() if pool is not None else fut
-                    for q in res.quarantine:
-                        qfile.write(json.dumps(q, ensure_ascii=False) + "\n")
-                    merge(stats, res)
-                    ctx.progress(advance=res.records, unit="records",
-                                 tokens=int(res.lengths.sum()),
-                                 **({"total": stats["records_in"]} if reading_done else {}))
-                    for shard in writer.add(source, res):
-                        stats["shards"] += 1
-                        yield shard
-
-                reading_done = False
-                for source, entries in self._batches(items, cfg, stats):
-                    if ctx.should_stop():
-                        stopped = True
-                        return
-                    if pool is not None:
-                        pending.append((source, pool.submit(process_batch, wcfg, source, entries)))
-                    else:
-                        pending.append((source, process_batch(wcfg, source, entries)))
-                    while len(pending) >= limit or (pool is None and pending):
-                        yield from collect()
-                reading_done = True
-                while pending:
-                    if ctx.should_stop():
-                        stopped = True
-                        return
-                    yield from collect()
+                stopped = yield from self._tokenize(items, cfg, pool, qfile, stats, writer, ctx)
+            if stopped:
+                return
             if writer.samples:
                 stats["shards"] += 1
                 yield writer.flush()
         finally:
             if pool is not None:
                 pool.shutdown(wait=not stopped, cancel_futures=True)
-        check_invariant(stats)
-        write_json(join(ctx.work_dir, "stats.json"), stats)
-        ctx.summary.update(stats)
-        ctx.logger.info("tokenize: %d records -> %d samples (%d filtered, %d quarantined), "
-                        "%d tokens, %d supervised", stats["records_in"], stats["samples_out"],
-                        stats["filtered_total"], stats["quarantined_total"], stats["tokens"],
-                        stats["loss_tokens"])
-        check_some_kept(stats, join(ctx.work_dir, "quarantine.jsonl"))
+        _finish(stats, ctx)
+
+    def _tokenize(self, items: list[dict], cfg: TokenizeConfig, pool: Any, qfile: Any,
+                  stats: dict, writer: ShardWriter, ctx: StageContext
+                  ) -> Generator[dict, None, bool]:
+        """Feed the batches to the workers and take the results back in submission order, so the
+        shards do not depend on the worker count; at most ``2 * workers + 1`` batches are in
+        flight, to bound memory. Yields the full shards; returns True if the run was stopped."""
+        from dflash_stages.tokenize.masks import process_batch
+
+        wcfg = dataclasses.asdict(cfg)
+        for key in ("workers", "batch_size", "shard_samples"):
+            wcfg.pop(key)
+        pending: deque = deque()
+        limit = 2 * max(1, cfg.workers) + 1
+        reading_done = False
+
+        def collect() -> Iterator[dict]:
+            source, fut = pending.popleft()
+            res = fut.result() if pool is not None else fut
+            for q in res.quarantine:
+                qfile.write(json.dumps(q, ensure_ascii=False) + "\n")
+            merge(stats, res)
+            ctx.progress(advance=res.records, unit="records", tokens=int(res.lengths.sum()),
+                         **({"total": stats["records_in"]} if reading_done else {}))
+            for shard in writer.add(source, res):
+                stats["shards"] += 1
+                yield shard
+
+        for source, entries in self._batches(items, cfg, stats):
+            if ctx.should_stop():
+                return True
+            if pool is not None:
+                pending.append((source, pool.submit(process_batch, wcfg, source, entries)))
+            else:
+                pending.append((source, process_batch(wcfg, source, entries)))
+            while len(pending) >= limit or (pool is None and pending):
+                yield from collect()
+        reading_done = True
+        while pending:
+            if ctx.should_stop():
+                return True
+            yield from collect()
+        return False
 
     @staticmethod
     def _batches(items: list[dict], cfg: TokenizeConfig, stats: dict
@@ -199,3 +192,31 @@ class ChatTemplateTokenize(Stage):
                         batch, nbytes = [], 0
             if batch:
                 yield source, batch
+
+
+def _start_pool(workers: int) -> Any:
+    """The spawned tokenizer processes (None for ``workers == 0``), the CPUs split between them so
+    their Rust thread pools do not oversubscribe the machine."""
+    if workers <= 0:
+        return None
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from dflash_stages.tokenize.masks import init_process
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=init_process, initargs=(threads,))
+
+
+def _finish(stats: dict, ctx: StageContext) -> None:
+    """Check the counts add up, then write ``stats.json``, the summary and the log line; fail a
+    run that kept nothing (pointing at the quarantine) only after its reports are written."""
+    check_invariant(stats)
+    write_json(join(ctx.work_dir, "stats.json"), stats)
+    ctx.summary.update(stats)
+    ctx.logger.info("tokenize: %d records -> %d samples (%d filtered, %d quarantined), "
+                    "%d tokens, %d supervised", stats["records_in"], stats["samples_out"],
+                    stats["filtered_total"], stats["quarantined_total"], stats["tokens"],
+                    stats["loss_tokens"])
+    check_some_kept(stats, join(ctx.work_dir, "quarantine.jsonl"))
