@@ -50,7 +50,6 @@ from dflash_model.fast import tune_drafter
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast.optim import adamw, clipped_step
 from dflash_model.fast import compile_cache
-from dflash_model.fast.regional import compile_drafter
 from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
@@ -114,9 +113,10 @@ def make_row(T: int, docs: int, vocab: int, seed: int) -> dict[str, Any]:
                 input_ids=torch.randint(0, vocab - 1, (T,), generator=g))
 
 
-def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> dict[str, Any]:
+def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str, compile: bool = False) -> dict[str, Any]:
     """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised).
-    The weights and features are drawn on the device (the 27B shape's are billions of numbers)."""
+    The weights and features are drawn on the device (the 27B shape's are billions of numbers).
+    The drafter is tuned as the trainer tunes it (``tune_drafter``), compiled if ``compile``."""
     dev = torch.device(args.device)
     tiny = args.shape == "tiny"
     cfg = drafter_shape(args.shape, args.layers, args.block_size)
@@ -128,11 +128,13 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str) -> di
     g = row["generator"] if dev.type == "cpu" else torch.Generator(dev).manual_seed(args.seed)
     with dev:
         model = DFlashDrafter(cfg, attn_backend=backend).to(dtype=dtype)
-    tune_drafter(model, dev, dtype, kernel_options=getattr(args, "flex_options", "auto"),
-                 tile=getattr(args, "flex_tile", "auto"))
+    tuned = tune_drafter(model, dev, dtype, kernel_options=getattr(args, "flex_options", "auto"),
+                         tile=getattr(args, "flex_tile", "auto"), compile=compile,
+                         cache_root=getattr(args, "compile_cache", None), logger=LOG,
+                         compile_options={"options": dict(args.inductor)} if getattr(args, "inductor", None) else None)
     k = len(model.config.target_layer_ids)
     return dict(
-        model=model, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
+        model=model, tuned=tuned, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
         input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev), loss_mask_cpu=row["loss_mask"],
         position_ids=row["position_ids"].to(dev),
         features=torch.randn(T, k * H, generator=g, device=dev).to(dtype),
@@ -166,12 +168,10 @@ def sync(dev: torch.device) -> None:
 def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     """Build, compile and take the first step once, then time the step at each ``--chunk-rows``
     value (one result each: only the LM-head loss chunks change between them)."""
-    s = make_setup(args, torch.bfloat16, backend)
+    s = make_setup(args, torch.bfloat16, backend, compile=compile_wanted(args.compile, torch.device(args.device)))
     model, dev = s["model"], s["device"]
     log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
-    done = compile_drafter(model, compile_wanted(args.compile, dev), dev, args.compile_cache, LOG,  # as the trainer compiles
-                           **({"options": dict(args.inductor)} if args.inductor else {}))
-    compiled, loaded = done.compiled, done.cache_loaded
+    compiled, loaded = s["tuned"].compiled, s["tuned"].cache_loaded
     opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -212,8 +212,8 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     if compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
-    if done.cache_url:
-        compile_cache.save(done.cache_url, LOG)
+    if s["tuned"].cache_url:
+        compile_cache.save(s["tuned"].cache_url, LOG)
     common = dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
                   torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(), tokens=s["T"],
                   anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,

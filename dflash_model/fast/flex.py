@@ -3,8 +3,8 @@ a small tile needs, and the compiled flex function.
 
 Choosing is pure (``choose_kernel_options``, ``choose_tile``: they read, never change, process
 state). The one thing that changes process-wide Inductor state, the tile hook, is installed only by
-the entry point ``tune_drafter``, which the trainer and the benchmarks call before anything
-compiles. The attention math itself is in ``dflash_model/drafter/attention.py``.
+``tune_flex``, the flex part of the entry point ``dflash_model.fast.tune_drafter``, which runs it
+before anything compiles. The attention math itself is in ``dflash_model/drafter/attention.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ TUNED_FLEX_OPTIONS: dict[_Key, dict[str, int]] = {
 TUNED_FLEX_TILE: dict[_Key, int] = {((9, 0), 128, torch.bfloat16): 64}
 
 
-def tune_drafter(model: DFlashDrafter, device: torch.device, dtype: torch.dtype, *,
-                 kernel_options: Any = "auto", tile: int | str = "auto") -> DFlashDrafter:
+def tune_flex(model: DFlashDrafter, device: torch.device, dtype: torch.dtype, *,
+              kernel_options: Any = "auto", tile: int | str = "auto") -> DFlashDrafter:
     """Set ``model.flex_kernel_options`` and ``model.flex_tile`` for ``device`` and ``dtype``;
     returns the model.
 

@@ -18,19 +18,17 @@ import torch
 
 from dflash_core import StageContext
 from dflash_core.artifacts import read_json
-from dflash_model.fast.compile_gate import GATE
-from dflash_model.fast.settings import compile_wanted, peak_gib
-from dflash_model.drafter import drafter_loss, sample_anchors
-from dflash_model.fast import tune_drafter
-from dflash_model.fast.optim import adamw, clipped_step
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
-from dflash_model.fast import compile_cache
-from dflash_model.fast.regional import compile_drafter
-from dflash_stages.train.drafter_init import build_drafter
+from dflash_model.drafter import drafter_loss, sample_anchors
+from dflash_model.fast import compile_cache, tune_drafter
+from dflash_model.fast.compile_gate import GATE
+from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast.settings import compile_wanted, peak_gib
 from dflash_model.target.load import resolve_dtype
 from dflash_stages.train.config import (TrainConfig, append_metrics, lr_at, metrics_path, now,
                                          truncate_metrics)
+from dflash_stages.train.drafter_init import build_drafter
 
 TRAIN_STATE = "train_state.pt"
 
@@ -77,16 +75,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = build_drafter(header, cfg, self.ctx)
         self.model = model.to(device=self.device, dtype=self.dtype)
-        tune_drafter(model, self.device, self.dtype, kernel_options=cfg.flex_kernel_options,
-                     tile=cfg.flex_tile)  # before anything compiles
+        tuned = tune_drafter(self.model, self.device, self.dtype, kernel_options=cfg.flex_kernel_options,
+                             tile=cfg.flex_tile, compile=compile_wanted(cfg.compile, self.device),
+                             cache_root=cfg.compile_cache, logger=self.ctx.logger)
+        self.compiled, self.cache_url = tuned.compiled, tuned.cache_url
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
                      else head.detach().to(self.device, self.dtype))
         self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel)
-        done = compile_drafter(self.model, compile_wanted(cfg.compile, self.device), self.device,
-                               cfg.compile_cache, self.ctx.logger)
-        self.compiled, self.cache_url = done.compiled, done.cache_url
         if self.distributed:
             self._init_distributed()
         if self.ctx.resume_checkpoint:

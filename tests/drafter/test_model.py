@@ -269,27 +269,28 @@ def flex_choices_class() -> object:
 
 
 def test_tune_drafter_sets_the_chosen_flex_settings(monkeypatch, inductor_choices):
-    """tune_drafter returns the same model with the chosen kernel options and tile; it installs
-    the tile hook (the only caller that does) when the tile is below 128, and leaves Inductor
-    alone otherwise (CPU; a GPU without a tuned tile)."""
+    """tune_drafter tunes the model it is given, with the chosen kernel options and tile, and
+    compiles nothing unless asked; it installs the tile hook (the only caller that does) when the
+    tile is below 128, and leaves Inductor alone otherwise (CPU; a GPU without a tuned tile)."""
     from dflash_model.fast import tune_drafter
     from dflash_model.fast.flex import TUNED_FLEX_OPTIONS, choose_kernel_options, choose_tile
 
     bf16, cuda = torch.bfloat16, torch.device("cuda")
     model = make_drafter(num_layers=1, dtype=torch.float32, config_kw=dict(head_dim=128))  # a shape the tables know
-    assert tune_drafter(model, torch.device("cpu"), bf16) is model
+    tuned = tune_drafter(model, torch.device("cpu"), bf16)
+    assert tuned.model is model and not tuned.compiled and tuned.cache_url is None
     assert (model.flex_kernel_options, model.flex_tile) == (None, 128)
     assert flex_choices_class() is None
     given = {"bwd_num_warps": 4}
     tune_drafter(model, torch.device("cpu"), bf16, kernel_options=given, tile=128)
     assert model.flex_kernel_options == given and model.flex_kernel_options is not given
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert tune_drafter(model, cuda, bf16).flex_tile == 128
+    assert tune_drafter(model, cuda, bf16).model.flex_tile == 128
     assert flex_choices_class() is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     options = choose_kernel_options("auto", cuda, 128, bf16)
     assert options == TUNED_FLEX_OPTIONS[((9, 0), 128, bf16)]
     assert choose_tile("auto", cuda, 128, bf16, options) == 64 and flex_choices_class() is None
-    assert tune_drafter(model, cuda, bf16) is model
+    assert tune_drafter(model, cuda, bf16).model is model
     assert (model.flex_kernel_options, model.flex_tile) == (options, 64)
     assert flex_choices_class()().uuid() == "dflash-flex-tile-64"
