@@ -20,6 +20,7 @@ those targets use the per-prompt loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -74,6 +75,94 @@ def _forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, valid
     return capture.record(lambda: model(**kw).logits)
 
 
+@dataclass
+class _Row:
+    """One prompt's decode state: its verified tokens (prompt + output, the last one not yet run through
+    the target), the target features of all but that last one, and the result so far."""
+
+    tokens: list[int]
+    feats: list[torch.Tensor]
+    result: DecodeResult
+
+
+def _prefill(model: nn.Module, prompts: Sequence[Sequence[int]], block_size: int, pad_id: int, cache: Any,
+             capture: FeatureCapture | None) -> tuple[list[_Row], torch.Tensor]:
+    """(rows, valid [R, P] on the host) after one forward over the right-padded prompts: right padding
+    gives every query a real key, and each row's first token is read after its own last prompt token."""
+    dev = next(model.parameters()).device
+    R, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
+    valid = torch.zeros((R, P), dtype=torch.bool)  # on the host; one copy per forward
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(list(p), device=dev)
+        valid[r, :len(p)] = True
+    logits, feats = _forward(model, ids, torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
+    rows = []
+    for r, p in enumerate(prompts):
+        first = int(logits[r, len(p) - 1].argmax())
+        rows.append(_Row(tokens=[int(t) for t in p] + [first],
+                         feats=[feats[r, :len(p)]] if feats is not None else [],
+                         result=DecodeResult(tokens=[first], block_size=block_size)))
+    return rows, valid
+
+
+def _request(row: _Row, block_size: int, max_new_tokens: int, dev: torch.device) -> DraftRequest:
+    """What the drafter sees of a live row, as in the per-prompt loop: the features of its verified
+    tokens, and as many drafts as are still useful (B-1, fewer near ``max_new_tokens``)."""
+    n_ctx = len(row.tokens) - 1
+    want = min(block_size - 1, max_new_tokens - len(row.result.tokens) - 1)
+    return DraftRequest(features=torch.cat(row.feats) if row.feats else None,
+                        positions=torch.arange(n_ctx, device=dev), tokens=row.tokens,
+                        last_token=row.tokens[-1], last_position=n_ctx, max_tokens=want)
+
+
+def _draft(drafter: BatchDrafter, reqs: list[DraftRequest]) -> list[list[int]]:
+    """Each request's drafts, cut to its ``max_tokens``; a row with no budget left is not asked (it gets
+    none), and the drafter is not called at all when no row has any."""
+    asked = [q for q in reqs if q.max_tokens > 0]
+    proposed = iter(drafter(asked) if asked else [])
+    return [[int(t) for t in list(next(proposed))[:q.max_tokens]] if q.max_tokens > 0 else [] for q in reqs]
+
+
+def _block(n_rows: int, live: list[int], reqs: list[DraftRequest], drafts: list[list[int]], pad_id: int,
+           dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [R, W] and positions [R, W] on ``dev``, valid [R, W] on the host) of a cycle's W new slots per
+    row: each live row's [last token, drafts…] at its own positions, padded to the widest row; finished
+    rows get only masked padding. Built as lists on the host and sent in one copy each: per-row writes
+    into device tensors would cost a launch per row and cycle."""
+    W = 1 + max(len(d) for d in drafts)
+    block = [[pad_id] * W for _ in range(n_rows)]
+    pos = [[0] * W for _ in range(n_rows)]
+    new_valid = [[False] * W for _ in range(n_rows)]
+    for r, q, d in zip(live, reqs, drafts):
+        block[r][:1 + len(d)] = [q.last_token] + d
+        pos[r] = list(range(q.last_position, q.last_position + W))
+        new_valid[r][:1 + len(d)] = [True] * (1 + len(d))
+    return torch.tensor(block, device=dev), torch.tensor(pos, device=dev), torch.tensor(new_valid)
+
+
+def _accept(row: _Row, req: DraftRequest, drafts: list[int], target: list[int], feats: torch.Tensor | None,
+            eos: set[int], max_new_tokens: int) -> int:
+    """Takes a row's accepted drafts and the target's own token after them (so the output is the target's
+    greedy decode whatever was drafted), keeps their features for the next draft and records the cycle;
+    returns how many drafts were accepted, so the caller can mask the rest."""
+    n = spec_decode.accepted_prefix(drafts, target)
+    if feats is not None:
+        row.feats.append(feats[:n + 1])
+    res = row.result
+    res.drafted.append(len(drafts))
+    res.budget.append(req.max_tokens)
+    res.anchors.append(req.last_position)
+    res.accepted.append(n)
+    for t in drafts[:n] + [int(target[n])]:
+        row.tokens.append(t)
+        res.tokens.append(t)
+        if t in eos:
+            break
+    res.tokens = res.tokens[:max_new_tokens]
+    return n
+
+
 @torch.no_grad()
 def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]], drafter: BatchDrafter,
                              block_size: int, max_new_tokens: int, layer_ids: Sequence[int] | None = None,
@@ -90,64 +179,17 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
     if capture is None and layer_ids is not None:
         capture = FeatureCapture(model, layer_ids)
     dev = next(model.parameters()).device
-    R, P = len(prompts), max(len(p) for p in prompts)
     cache = new_cache(model)
-    ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
-    valid = torch.zeros((R, P), dtype=torch.bool)  # on the host; one copy per forward
-    for r, p in enumerate(prompts):
-        ids[r, :len(p)] = torch.tensor(list(p), device=dev)
-        valid[r, :len(p)] = True
-    logits, feats = _forward(model, ids, torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
-    tokens = [[int(t) for t in p] for p in prompts]
-    ctx_feats: list[list[torch.Tensor]] = [[feats[r, :len(p)]] if feats is not None else []
-                                           for r, p in enumerate(prompts)]
-    results = []
-    for r, p in enumerate(prompts):
-        first = int(logits[r, len(p) - 1].argmax())
-        tokens[r].append(first)
-        results.append(DecodeResult(tokens=[first], block_size=block_size))
-    live = [len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos for res in results]
-    while any(live):
-        rows = [r for r in range(R) if live[r]]
-        reqs = []
-        for r in rows:
-            n_ctx = len(tokens[r]) - 1
-            want = min(block_size - 1, max_new_tokens - len(results[r].tokens) - 1)
-            reqs.append(DraftRequest(features=torch.cat(ctx_feats[r]) if ctx_feats[r] else None,
-                                     positions=torch.arange(n_ctx, device=dev), tokens=tokens[r],
-                                     last_token=tokens[r][-1], last_position=n_ctx, max_tokens=want))
-        proposed = drafter([q for q in reqs if q.max_tokens > 0]) if any(q.max_tokens > 0 for q in reqs) else []
-        it = iter(proposed)
-        drafts = [[int(t) for t in list(next(it))[:q.max_tokens]] if q.max_tokens > 0 else [] for q in reqs]
-        W = 1 + max(len(d) for d in drafts)
-        # the block, its positions and its mask are built on the host and sent in one copy each:
-        # per-row writes into device tensors would cost a launch per row and cycle
-        block = [[pad_id] * W for _ in range(R)]
-        pos = [[0] * W for _ in range(R)]
-        new_valid = [[False] * W for _ in range(R)]
-        for r, q, d in zip(rows, reqs, drafts):
-            block[r][:1 + len(d)] = [q.last_token] + d
-            pos[r] = list(range(q.last_position, q.last_position + W))
-            new_valid[r][:1 + len(d)] = [True] * (1 + len(d))
-        valid = torch.cat([valid, torch.tensor(new_valid)], 1)
-        block, pos = torch.tensor(block, device=dev), torch.tensor(pos, device=dev)
+    rows, valid = _prefill(model, prompts, block_size, pad_id, cache, capture)
+    while live := [r for r, row in enumerate(rows)
+                   if len(row.result.tokens) < max_new_tokens and row.result.tokens[-1] not in eos]:
+        reqs = [_request(rows[r], block_size, max_new_tokens, dev) for r in live]
+        drafts = _draft(drafter, reqs)
+        block, pos, new_valid = _block(len(rows), live, reqs, drafts, pad_id, dev)
+        valid = torch.cat([valid, new_valid], 1)
         logits, feats = _forward(model, block, pos, valid, cache, capture)
         target = logits.argmax(-1).tolist()
-        for r, q, d in zip(rows, reqs, drafts):
-            n = spec_decode.accepted_prefix(d, target[r])
-            valid[r, valid.shape[1] - W + n + 1:] = False  # the rejected drafts: never seen again
-            if feats is not None:
-                ctx_feats[r].append(feats[r, :n + 1])
-            res = results[r]
-            res.drafted.append(len(d))
-            res.budget.append(q.max_tokens)
-            res.anchors.append(q.last_position)
-            res.accepted.append(n)
-            for t in d[:n] + [int(target[r][n])]:
-                tokens[r].append(t)
-                res.tokens.append(t)
-                if t in eos:
-                    break
-            res.tokens = res.tokens[:max_new_tokens]
-            live[r] = len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos
-    return results
+        for r, q, d in zip(live, reqs, drafts):
+            n = _accept(rows[r], q, d, target[r], feats[r] if feats is not None else None, eos, max_new_tokens)
+            valid[r, valid.shape[1] - block.shape[1] + n + 1:] = False  # the rejected drafts: never seen again
+    return [row.result for row in rows]

@@ -64,64 +64,32 @@ def _stage(pipeline: Any, kind: str) -> Any:
     return specs[0] if specs else None
 
 
+class _Refused(Exception):
+    """A plan that cannot be made from these arguments; :func:`run` prints it as the error (exit EXIT_CONFIG)."""
+
+
 def run(args: argparse.Namespace) -> int:
     _, pipeline = load(args)
     extract, train, pack = (_stage(pipeline, k) for k in ("extract", "train", "pack"))
     tokens = args.tokens or getattr(getattr(pack, "config", None), "tokens_per_row", None)
-    if args.rows < 1 or (args.gpus is not None and args.gpus < 1):
-        err_console.print("error: --rows and --gpus must be >= 1")
-        return EXIT_CONFIG
-    measured = None
-    if args.rates is None:
-        missing = [f"{kind}:{impl}" for kind, impl, spec in (("extract", "hf_hooks", extract),
-                                                            ("train", "dflash", train))
-                   if spec is None or spec.impl != f"{kind}:{impl}"]
-        if missing:
-            err_console.print(f"error: measuring needs the stages {' and '.join(missing)} in {pipeline.path}; "
-                              "give --rates (and --memory) instead")
-            return EXIT_CONFIG
-        if not tokens:
-            err_console.print("error: tokens per row unknown (the pack stage has no tokens_per_row): give --tokens")
-            return EXIT_CONFIG
-        from dflash_stages.layout.measure import measure
-
-        device = args.device or _default_device()
-        device = "cuda:0" if device == "cuda" else device
-        measured = measure(extract.config, train.config, int(tokens), device, rows=args.rows,
-                           log=(lambda s: None) if args.quiet or args.json else
-                           (lambda s: err_console.print(s, markup=False)))
-        rt, rd = measured.target_tok_s, measured.drafter_tok_s
-        mt, md = measured.target_gib, measured.drafter_gib
-    else:
-        rt, rd = args.rates
-        mt = md = None
-        if rt <= 0 or rd <= 0:
-            err_console.print("error: --rates must be > 0")
-            return EXIT_CONFIG
-    if args.memory is not None:
-        mt, md = args.memory
-
-    gpus, gpus_why = (args.gpus, "--gpus") if args.gpus else _default_gpus()
-    gpu_gib, gpu_why = args.gpu_memory, "--gpu-memory"
-    if gpu_gib is None and measured is not None and measured.gpu_gib is not None:
-        gpu_gib, gpu_why = measured.gpu_gib, f"{measured.device}'s"
-    elif gpu_gib is None and measured is None:
-        gpu_gib, gpu_why = _cuda_memory()
-
-    hidden, k = (None, 0) if extract is None else _dims(extract.config)
-    if measured is not None:
-        hidden, k = measured.hidden_size, measured.feature_rows
-    hidden = args.hidden_size or hidden
-    elem = ELEMENT_BYTES.get(str(getattr(getattr(extract, "config", None), "dtype", "auto")), 2)
-    row_bytes = int(tokens) * k * hidden * elem if tokens and k and hidden else None
-    from dflash_core.runner import QUEUE_BOUND
-
     try:
-        inputs = PlanInputs(target_tok_s=rt, drafter_tok_s=rd, target_gib=mt, drafter_gib=md, gpu_gib=gpu_gib,
-                            overlap=args.overlap, row_tokens=int(tokens) if tokens else None,
-                            row_bytes=row_bytes, link_gbps=args.link_gbps, queued_rows=QUEUE_BOUND,
-                            allreduce_gib=4 * measured.drafter_params / GIB if measured else None)
-    except ValueError as exc:
+        if args.rows < 1 or (args.gpus is not None and args.gpus < 1):
+            raise _Refused("--rows and --gpus must be >= 1")
+        measured = None if args.rates is not None else _measure(args, pipeline, extract, train, tokens)
+        rt, rd, mt, md = _rates(args, measured)
+        gpus, gpus_why = (args.gpus, "--gpus") if args.gpus else _default_gpus()
+        gpu_gib, gpu_why = _gpu_memory(args, measured)
+        k, hidden, elem, row_bytes = _feature_row(args, extract, measured, tokens)
+        from dflash_core.runner import QUEUE_BOUND
+
+        try:
+            inputs = PlanInputs(target_tok_s=rt, drafter_tok_s=rd, target_gib=mt, drafter_gib=md, gpu_gib=gpu_gib,
+                                overlap=args.overlap, row_tokens=int(tokens) if tokens else None,
+                                row_bytes=row_bytes, link_gbps=args.link_gbps, queued_rows=QUEUE_BOUND,
+                                allreduce_gib=4 * measured.drafter_params / GIB if measured else None)
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
+    except _Refused as exc:
         err_console.print(f"error: {exc}")
         return EXIT_CONFIG
     result = plan(inputs, gpus)
@@ -132,6 +100,66 @@ def run(args: argparse.Namespace) -> int:
     report(result, pipeline.path, gpus_why, gpu_why, measured, given_rates=args.rates is not None,
            given_memory=args.memory is not None, k=k, hidden=hidden, elem=elem)
     return EXIT_OK
+
+
+def _measure(args: argparse.Namespace, pipeline: Any, extract: Any, train: Any, tokens: int | None) -> Any:
+    """Times the pipeline's own target forward and drafter step on one device (``measure.py``, imported
+    only here: torch stays out of ``--help``); it needs the stages it knows how to build and the row length."""
+    missing = [f"{kind}:{impl}" for kind, impl, spec in (("extract", "hf_hooks", extract), ("train", "dflash", train))
+               if spec is None or spec.impl != f"{kind}:{impl}"]
+    if missing:
+        raise _Refused(f"measuring needs the stages {' and '.join(missing)} in {pipeline.path}; "
+                       "give --rates (and --memory) instead")
+    if not tokens:
+        raise _Refused("tokens per row unknown (the pack stage has no tokens_per_row): give --tokens")
+    from dflash_stages.layout.measure import measure
+
+    device = args.device or _default_device()
+    device = "cuda:0" if device == "cuda" else device
+    return measure(extract.config, train.config, int(tokens), device, rows=args.rows,
+                   log=(lambda s: None) if args.quiet or args.json else
+                   (lambda s: err_console.print(s, markup=False)))
+
+
+def _rates(args: argparse.Namespace, measured: Any) -> tuple[float, float, float | None, float | None]:
+    """(tokens/s, peak GiB) of the target and of the drafter on one GPU: given (--rates) or measured,
+    with --memory overriding either's memory (rates given without it leave the memory unknown)."""
+    if measured is not None:
+        rt, rd = measured.target_tok_s, measured.drafter_tok_s
+        mt, md = measured.target_gib, measured.drafter_gib
+    else:
+        rt, rd = args.rates
+        mt = md = None
+        if rt <= 0 or rd <= 0:
+            raise _Refused("--rates must be > 0")
+    if args.memory is not None:
+        mt, md = args.memory
+    return rt, rd, mt, md
+
+
+def _gpu_memory(args: argparse.Namespace, measured: Any) -> tuple[float | None, str]:
+    """(GiB of one GPU, where that figure comes from): --gpu-memory, else the measuring device's, else
+    (rates given) cuda:0's; None when unknown, and then layouts are not checked for fit."""
+    if args.gpu_memory is not None:
+        return args.gpu_memory, "--gpu-memory"
+    if measured is None:
+        return _cuda_memory()
+    if measured.gpu_gib is not None:
+        return measured.gpu_gib, f"{measured.device}'s"
+    return None, "--gpu-memory"
+
+
+def _feature_row(args: argparse.Namespace, extract: Any, measured: Any,
+                 tokens: int | None) -> tuple[int, int | None, int, int | None]:
+    """(k feature layers, hidden size, bytes per element, bytes of one row or None when unknown) of the
+    feature row the extract GPU copies to the drafter's: its size prices the copy between GPUs."""
+    hidden, k = (None, 0) if extract is None else _dims(extract.config)
+    if measured is not None:
+        hidden, k = measured.hidden_size, measured.feature_rows
+    hidden = args.hidden_size or hidden
+    elem = ELEMENT_BYTES.get(str(getattr(getattr(extract, "config", None), "dtype", "auto")), 2)
+    row_bytes = int(tokens) * k * hidden * elem if tokens and k and hidden else None
+    return k, hidden, elem, row_bytes
 
 
 def _dims(extract_cfg: Any) -> tuple[int | None, int]:
@@ -213,17 +241,34 @@ def _copy_cell(lay: Layout) -> str:
 
 def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, *, given_rates: bool,
            given_memory: bool, k: int, hidden: int | None, elem: int) -> None:
-    inp = result.inputs
-    T = inp.row_tokens
+    """The plan as text: what it was computed from, the layouts' table, the recommendation, its caveats."""
     console.print(f"plan for {path} on {result.gpus} GPUs ({gpus_why})")
     if measured is not None:
-        console.print(f"measured on {measured.device}: {measured.rows} rows of {measured.tokens:,} tokens each "
-                      f"after 1 warm-up (target attention {measured.attn}, layers {measured.layers}); target "
-                      f"load {measured.target_load_s:.1f} s, warm-up forward {measured.target_warmup_s:.2f} s; "
-                      f"drafter warm-up step {measured.drafter_warmup_s:.2f} s"
-                      + (" (compilation)" if measured.compiled else "") + " — warm-ups not counted")
-        if measured.compile_cache_saved:
-            console.print(f"compile cache saved to {measured.compile_cache_saved} (the run will load it)")
+        _print_measurement(measured)
+    _print_inputs(result.inputs, measured, gpu_why, given_rates=given_rates, given_memory=given_memory, k=k,
+                  hidden=hidden, elem=elem)
+    console.print(_table(result))
+    if result.pairs is None:
+        console.print("pairs and fan-in need 2 GPUs or more")
+    _print_fan_in(result)
+    _print_verdict(result, measured)
+
+
+def _print_measurement(measured: Any) -> None:
+    """How the rates were timed, so that warm-up and compilation, which are not counted, are visible."""
+    console.print(f"measured on {measured.device}: {measured.rows} rows of {measured.tokens:,} tokens each "
+                  f"after 1 warm-up (target attention {measured.attn}, layers {measured.layers}); target "
+                  f"load {measured.target_load_s:.1f} s, warm-up forward {measured.target_warmup_s:.2f} s; "
+                  f"drafter warm-up step {measured.drafter_warmup_s:.2f} s"
+                  + (" (compilation)" if measured.compiled else "") + " — warm-ups not counted")
+    if measured.compile_cache_saved:
+        console.print(f"compile cache saved to {measured.compile_cache_saved} (the run will load it)")
+
+
+def _print_inputs(inp: PlanInputs, measured: Any, gpu_why: str, *, given_rates: bool, given_memory: bool,
+                  k: int, hidden: int | None, elem: int) -> None:
+    """The figures the prediction rests on and where each comes from (given, measured or unknown)."""
+    T = inp.row_tokens
     source = "given (--rates)" if given_rates else f"measured on {measured.device}"
     mem_source = ("given (--memory)" if given_memory else "peak allocated" if inp.target_gib is not None
                   else "unknown (measured off CUDA; give --memory)")
@@ -243,6 +288,9 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
         console.print("  feature row size unknown (hidden size or tokens per row): copy not estimated "
                       "(--hidden-size, --tokens)")
 
+
+def _table(result: Plan) -> Table:
+    """One row per layout that the GPU count allows, one GPU first as the reference of the speed-ups."""
     table = Table(title=f"predicted on {result.gpus} GPUs")
     for col in ("layout", "GPUs", "tokens/s", "vs one GPU", "bound by", "GiB per GPU", "fits",
                 "feature copy"):
@@ -255,10 +303,12 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
         if lay is result.recommended:
             name += "  ← recommended"
         table.add_row(name, _gpus_cell(lay, result.gpus), _num(lay.tokens_per_s), f"{lay.tokens_per_s / base:.2f}×",
-                      lay.bound, _memory_cell(lay), _fits_cell(lay, inp.gpu_gib), _copy_cell(lay))
-    console.print(table)
-    if result.pairs is None:
-        console.print("pairs and fan-in need 2 GPUs or more")
+                      lay.bound, _memory_cell(lay), _fits_cell(lay, result.inputs.gpu_gib), _copy_cell(lay))
+    return table
+
+
+def _print_fan_in(result: Plan) -> None:
+    """The fan-in splits weighed, and those left out, when the table's one fan-in row hides a choice."""
     if len(result.fan_in_splits) > 1 or result.fan_in_excluded:
         splits = ", ".join(f"{x.target_gpus}→{x.drafter_gpus} {_num(x.tokens_per_s)}"
                            + (" (= pairs)" if x.target_gpus == x.drafter_gpus else "") for x in result.fan_in_splits)
@@ -267,12 +317,16 @@ def report(result: Plan, path: str, gpus_why: str, gpu_why: str, measured: Any, 
             line += "; excluded: " + ", ".join(f"{n}→{m} ({n} targets do not divide among {m} drafters)"
                                                for n, m in result.fan_in_excluded)
         console.print(line)
-    best = result.recommended
+
+
+def _print_verdict(result: Plan, measured: Any) -> None:
+    """The recommended layout and what the prediction leaves out or rests on (notes)."""
+    inp, T, best = result.inputs, result.inputs.row_tokens, result.recommended
     if best is None:
         console.print(f"recommended: none — no layout fits in {inp.gpu_gib:.1f} GiB per GPU")
     else:
         console.print(f"recommended: {best.name} — {_num(best.tokens_per_s)} tokens/s on {best.gpus} GPUs, "
-                      f"{best.tokens_per_s / base:.2f}× one GPU ({best.how})")
+                      f"{best.tokens_per_s / result.single.tokens_per_s:.2f}× one GPU ({best.how})")
     for note in result.notes:
         console.print(f"note: {note}")
     if inp.transfer_s is not None and T:
