@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from dflash_model.drafter.model import DFlashDrafter
 
 # flex_attention's own BlockMask tile, both ways: every kernel it has fits it, so it needs no hook.
 # Smaller tiles compute less of the ragged tiles at the training mask (see ``TUNED_FLEX_TILE``).
@@ -39,8 +37,8 @@ TUNED_FLEX_OPTIONS: dict[_Key, dict[str, int]] = {
 TUNED_FLEX_TILE: dict[_Key, int] = {((9, 0), 128, torch.bfloat16): 64}
 
 
-def tune_flex(model: DFlashDrafter, device: torch.device, dtype: torch.dtype, *,
-              kernel_options: Any = "auto", tile: int | str = "auto") -> DFlashDrafter:
+def tune_flex(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *,
+              kernel_options: Any = "auto", tile: int | str = "auto") -> torch.nn.Module:
     """Set ``model.flex_kernel_options`` and ``model.flex_tile`` for ``device`` and ``dtype``;
     returns the model.
 

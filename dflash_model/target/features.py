@@ -17,7 +17,8 @@ from torch import nn
 from dflash_model.fast.regional import compile_blocks
 from dflash_model.fast.settings import compile_wanted
 from dflash_model.target import packed_attention
-from dflash_model.target.capture import FeatureCapture, decoder_layers, target_header
+from dflash_model.target.capture import FeatureCapture, target_header
+from dflash_model.target.layers import decoder_layers
 from dflash_model.target.load import load_target
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_model.target.capture import decoder_layers
+from dflash_model.target.layers import decoder_layers
 
 log = logging.getLogger(__name__)
 

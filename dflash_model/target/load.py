@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_model.target.layers import text_config
+
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """``auto`` = bf16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
@@ -57,13 +59,6 @@ class _NoTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size - 1
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config: a composite (vision-language) config's ``text_config``,
-    any other config itself."""
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
 
 
 def random_config(name: str) -> Any:

@@ -296,7 +296,7 @@ def add_warnings(report: dict[str, Any]) -> None:
 
 
 def _check_shapes(target: Any, drafter: Any, embed: Any) -> None:
-    from dflash_model.target.capture import decoder_layers
+    from dflash_model.target.layers import decoder_layers
 
     cfg = drafter.config
     problems = []
