@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_model.drafter import read_export_config
     from dflash_core.artifacts import write_json
     from dflash_stages.evaluate.report import clean_json, render_table
-    from dflash_stages.evaluate.stage import evaluate_export
+    from dflash_stages.evaluate.export import evaluate_export
 
     console = Console(highlight=False)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

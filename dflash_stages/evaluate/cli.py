@@ -42,8 +42,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_stages.evaluate.drafter import EvaluationError
+    from dflash_stages.evaluate.export import evaluate_export
     from dflash_stages.evaluate.report import render_table
-    from dflash_stages.evaluate.stage import EvaluationError, evaluate_export
 
     device = args.device or _default_device()
     out = args.out or os.path.join(args.export.removeprefix("file://"), "eval")

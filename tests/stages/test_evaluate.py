@@ -127,7 +127,7 @@ def test_ngram_propose_latest_longest_match():
 
 
 def test_gap_and_warnings():
-    from dflash_stages.evaluate.stage import add_warnings, compute_gap
+    from dflash_stages.evaluate.drafter import add_warnings, compute_gap
 
     assert compute_gap(2.0, 4.0) == (0.5, True)
     assert compute_gap(3.7, 4.0)[1] is False
@@ -311,7 +311,7 @@ def test_tau_sim_is_measured_on_the_served_output(target, prompts, monkeypatch):
     greedy reference (in bf16 it does at near ties): it is measured on what was served. Here the
     reference is altered at its third token, so every output leaves it there."""
     from dflash_stages.evaluate import runs as eval_runs
-    from dflash_stages.evaluate.stage import evaluate_drafter
+    from dflash_stages.evaluate.drafter import evaluate_drafter
 
     refs = [greedy_decode(target, p, 24) for p in prompts]
     drafter = _memorizing_drafter(target, prompts, refs)
@@ -336,7 +336,7 @@ def test_tau_serve_estimates_the_served_tau_where_tau_sim_all_does_not(target):
     """Half the prompts are ones the drafter learnt by heart, half are new: τ per anchor is high on
     the first and ~1 on the second. Served τ is tokens per cycle, so the plain mean over every
     anchor (tau_sim_all) overstates it; the harmonic mean (tau_serve_all) is close to it."""
-    from dflash_stages.evaluate.stage import evaluate_drafter
+    from dflash_stages.evaluate.drafter import evaluate_drafter
 
     rng = random.Random(1)
     prompts = [[rng.randrange(100) for _ in range(n)] for n in (5, 9, 3, 7, 4, 6, 8, 5)]

@@ -137,7 +137,7 @@ def hybrid_export(hybrid, tmp_path_factory):
 
 
 def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
-    from dflash_stages.evaluate.stage import evaluate_export
+    from dflash_stages.evaluate.export import evaluate_export
 
     rep = evaluate_export(hybrid_export, prompts=prompts[:2], max_new_tokens=12, loaded_target=(hybrid, None),
                           plot=False)
@@ -150,7 +150,7 @@ def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
 def test_planted_broken_rollback_is_caught(hybrid, hybrid_export, prompts, monkeypatch):
     """Crop-only rollback (the state restore skipped): the outputs diverge from greedy and the lossless
     check reports it."""
-    from dflash_stages.evaluate.stage import evaluate_export
+    from dflash_stages.evaluate.export import evaluate_export
 
     monkeypatch.setattr(spec_cache, "restore", lambda layers, saved: None)
     rep = evaluate_export(hybrid_export, prompts=prompts[:2], max_new_tokens=12, loaded_target=(hybrid, None),

@@ -1,0 +1,306 @@
+"""The report of one drafter on token-id prompts: served τ, the lossless check, the n-gram
+baseline, τ_sim and the train/serve gap. No files, no tokenizer: ``export.py`` loads those.
+
+* τ — mean accepted drafts + 1 per cycle, its histogram, drafted vs accepted tokens (``spec_batch``:
+  a batch of prompts per verify forward on dense targets, ``spec_decode`` one prompt at a time on
+  hybrid ones; KV cache, features captured by hooks during that forward);
+* the lossless check — every output against the target's plain greedy decode (HF ``generate``),
+  judged at the first differing token: a near tie within the dtype's tolerance is reported, a wider
+  gap fails the stage / the command (``runs``);
+* τ_ngram — the training-free prompt-lookup baseline through the same loop;
+* τ_sim — the same drafter on the same prompts + its served outputs, teacher-forced through the
+  training code (``drafter_loss``); ``gap = (τ_sim − τ) / τ_sim``, flagged when |gap| > 10%:
+  the signature of something that differs between training and serving (DESIGN §7 pitfalls).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from dflash_stages.generate.prompts import read_records
+
+
+GAP_THRESHOLD = 0.10
+
+
+class EvaluationError(RuntimeError):
+    """A problem with the inputs of an evaluation (no target, no prompts, mismatched shapes)."""
+
+
+class LosslessError(RuntimeError):
+    """Speculative decoding produced something other than the target's greedy decode."""
+
+
+# --------------------------------------------------------------------------- metrics log
+
+def read_metrics(path: str | None) -> list[dict[str, Any]]:
+    """Records of a training ``metrics.jsonl`` (missing file or None: [])."""
+    if not path:
+        return []
+    try:
+        return read_records(path)
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return []
+
+
+def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Steps, final loss / τ_sim, and training time/tokens where the log records them."""
+    recs = [r for r in records if "step" in r]
+    if not recs:
+        return None
+    last = recs[-1]
+    out: dict[str, Any] = {"steps": int(last["step"]), "records": len(recs),
+                           "loss": last.get("loss"), "acc": last.get("acc"),
+                           "tau_sim_train": last.get("tau_sim"), "tau_serve_train": last.get("tau_serve")}
+    for key in ("elapsed_s", "train_time_s", "time_s", "wall_s"):
+        if key in last:
+            out["train_time_s"] = float(last[key])
+            break
+    for key in ("tokens", "tokens_seen", "train_tokens", "total_tokens"):
+        if key in last:
+            out["train_tokens"] = int(last[key])
+            break
+    tps = [float(r["tokens_per_s"]) for r in recs if r.get("tokens_per_s")]
+    if tps:
+        out["tokens_per_s_mean"] = sum(tps) / len(tps)
+    return out
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def _finite(x: float | None) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def compute_gap(tau: float, tau_sim: float | None, threshold: float = GAP_THRESHOLD) -> tuple[float | None, bool]:
+    """(gap = (τ_sim − τ) / τ_sim, flagged = |gap| > threshold); (None, False) without τ_sim."""
+    if not _finite(tau_sim) or not _finite(tau) or tau_sim <= 0:
+        return None, False
+    gap = (tau_sim - tau) / tau_sim
+    return gap, abs(gap) > threshold
+
+
+NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "tau_serve_all": None, "sim_loss": None, "sim_acc": None}
+
+
+@dataclass
+class _Decoding:
+    """What every drafter of one report is decoded and checked with: the target, the prompts and
+    the target's own greedy outputs for them (the lossless reference)."""
+
+    target: Any
+    prompts: Sequence[Sequence[int]]
+    refs: list[list[int]]
+    block_size: int
+    max_new_tokens: int
+    eos: set[int]
+    batch_size: int
+    tie_tolerance: float
+
+    def decode(self, drafter: Any, layer_ids: Sequence[int] | None, batch_drafter: Any = None,
+               progress: Any = None) -> Any:
+        from dflash_stages.evaluate.runs import decode_all
+
+        return decode_all(self.target, self.prompts, drafter, self.block_size, self.max_new_tokens, layer_ids,
+                          self.eos, self.batch_size, batch_drafter, progress)
+
+    def check(self, run: Any, who: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(mismatches, near ties) of a run's outputs against the greedy reference."""
+        from dflash_stages.evaluate.runs import check_outputs
+
+        return check_outputs(self.target, self.prompts, self.refs, run.tokens, who, self.tie_tolerance)
+
+
+def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                     eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
+                     with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
+                     tie_tolerance: float | None = None, pad_id: int = 0, progress: Any = None) -> dict[str, Any]:
+    """The report of one drafter module on token-id prompts (no files, no tokenizer).
+
+    ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
+    ``tie_tolerance``: relative logit gap of a tolerated near tie (default by dtype, ``TIE_TOLERANCE``);
+    ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes.
+
+    In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
+    τ_sim, then the verdict (gap, lossless check); ``timing`` has the seconds of each part.
+    """
+    from dflash_stages.evaluate import runs
+    from dflash_model.target.spec_batch import dflash_batch_drafter
+    from dflash_model.target.spec_decode import eos_set, dflash_drafter
+    from dflash_model.target.capture import embeddings_and_head
+
+    B = drafter.block_size
+    layer_ids = list(drafter.config.target_layer_ids)
+    embed, head = embeddings_and_head(target)
+    _check_shapes(target, drafter, embed)
+    eos = eos_set(eos_token_id)
+    tol = (tie_tolerance if tie_tolerance is not None
+           else runs.TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4))
+    refs, ref_s = runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
+    dec = _Decoding(target, prompts, refs, B, max_new_tokens, eos, batch_size, tol)
+    timing: dict[str, Any] = {"greedy_s": round(ref_s, 3)}
+
+    run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
+                     _batch_progress(progress, len(prompts)))
+    report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
+                              "max_new_tokens": max_new_tokens, **_served_summary(run, dec, ref_s, timing)}
+    per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
+    mismatches, ties = dec.check(run, "dflash")
+
+    report["ngram"] = None
+    if baseline:
+        report["ngram"], m, t = _ngram_baseline(dec, per_prompt, timing)
+        mismatches, ties = mismatches + m, ties + t
+    report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
+
+    t0 = time.perf_counter()
+    report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
+                  if with_tau_sim else NO_TAU_SIM)
+    timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
+
+    report.update(_verdict(report["tau"], report["tau_sim"], gap_threshold, mismatches, ties, per_prompt, tol))
+    report.update({"per_prompt": per_prompt, "timing": timing, "warnings": []})
+    add_warnings(report)
+    return report
+
+
+def _batch_progress(progress: Any, total: int) -> Any:
+    """``decode_all``'s callback (results so far) as ``progress(done, total, tau_so_far)``."""
+    def advance(results: list[Any]) -> None:
+        if progress is not None:
+            accepted = [a for r in results for a in r.accepted]
+            progress(len(results), total, (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
+    return advance
+
+
+def _served_summary(run: Any, dec: _Decoding, ref_s: float, timing: dict[str, Any]) -> dict[str, Any]:
+    """The served drafter's cycles (``DecodeRun.summary``), its rate beside plain greedy decoding's
+    under ``throughput``; its seconds go to ``timing``."""
+    summary = run.summary(dec.block_size)
+    greedy_tokens = sum(map(len, dec.refs))
+    summary["throughput"] = {"greedy_tokens_per_s": round(greedy_tokens / ref_s, 1) if ref_s else None,
+                             "spec_tokens_per_s": summary.pop("tokens_per_s"), "batch_size": dec.batch_size}
+    timing["spec_s"] = summary.pop("seconds")
+    return summary
+
+
+def _ngram_baseline(dec: _Decoding, per_prompt: list[dict[str, Any]], timing: dict[str, Any]
+                    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training-free prompt-lookup drafter through the same loop: (its summary, mismatches,
+    near ties); each prompt's row gets its ``tau_ngram``, ``timing`` its seconds."""
+    from dflash_model.target.spec_decode import ngram_drafter
+
+    ng = dec.decode(ngram_drafter(), None)
+    summary = ng.summary(dec.block_size)
+    timing["ngram_s"] = summary.pop("seconds")
+    mismatches, ties = dec.check(ng, "ngram")
+    for row, res in zip(per_prompt, ng.results):
+        row["tau_ngram"] = res.tau
+    return summary, mismatches, ties
+
+
+def _verdict(tau: float, tau_sim: float | None, gap_threshold: float, mismatches: list[dict[str, Any]],
+             ties: list[dict[str, Any]], per_prompt: list[dict[str, Any]], tol: float) -> dict[str, Any]:
+    """The train/serve gap and the lossless check (every drafter's mismatches and near ties); marks
+    each prompt's row ``lossless``. ``identical`` counts the prompts whose DFlash output is the
+    greedy reference."""
+    bad = {m["prompt"] for m in mismatches}
+    for row in per_prompt:
+        row["lossless"] = row["index"] not in bad
+    gap, flag = compute_gap(tau, tau_sim, gap_threshold)
+    differing = {e["prompt"] for e in mismatches + ties if e["drafter"] == "dflash"}
+    return {"gap": gap, "gap_flag": flag, "gap_threshold": gap_threshold, "lossless": not mismatches,
+            "mismatches": mismatches, "near_ties": ties, "tie_tolerance": tol,
+            "identical": len(per_prompt) - len(differing)}
+
+
+def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, Any]:
+    from dflash_model.target.spec_decode import tau_histogram
+
+    return {"index": i, "prompt_tokens": len(prompt), "generated": len(res.tokens), "tau": res.tau,
+            "cycles": res.cycles, "drafted": sum(res.drafted), "accepted": sum(res.accepted),
+            "tau_histogram": tau_histogram(res.accepted, B)}
+
+
+def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], results: Sequence[Any],
+             per_prompt: list[dict[str, Any]], embed: Any, head: Any, layer_ids: list[int]) -> dict[str, Any]:
+    """τ_sim teacher-forced on each prompt + the drafter's served output: at the served full blocks'
+    anchors (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy).
+
+    The served output, not the greedy reference: the anchors are positions in it, and in bf16 it
+    leaves the reference at near ties, after which the reference is another text."""
+    import torch
+
+    from dflash_model.target.spec_decode import teacher_forced_tau
+    from dflash_model.target.capture import FeatureCapture
+
+    capture = FeatureCapture(target, layer_ids)
+    dev = next(target.parameters()).device
+    at, every = [], []
+    for row, prompt, res in zip(per_prompt, prompts, results):
+        anchors = [a for a, f in zip(res.anchors, res.full) if f]
+        out = res.tokens
+        feats = capture.capture(torch.tensor([list(prompt) + list(out)], device=dev))[0][0]  # one forward, two uses
+        sim = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, anchors=anchors, features=feats)
+        sim_all = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, features=feats)
+        row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], tau_serve_all=sim_all["tau_serve"],
+                   sim_loss=sim_all["loss"])
+        at.append(sim)
+        every.append(sim_all)
+
+    def weighted(sims: list[dict[str, Any]], key: str) -> float | None:
+        n = sum(s["n_blocks"] for s in sims)
+        return sum(s[key] * s["n_blocks"] for s in sims if s["n_blocks"]) / n if n else None
+
+    def harmonic(sims: list[dict[str, Any]]) -> float | None:  # pools tau_serve: blocks over the sum of 1/τ
+        n = sum(s["n_blocks"] for s in sims)
+        return n / sum(s["n_blocks"] / s["tau_serve"] for s in sims if s["n_blocks"]) if n else None
+
+    return {"tau_sim": weighted(at, "tau_sim"), "tau_sim_all": weighted(every, "tau_sim"),
+            "tau_serve_all": harmonic(every), "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc")}
+
+
+def add_warnings(report: dict[str, Any]) -> None:
+    """Warning lines for a flagged train/serve gap and a lossless failure (idempotent)."""
+    w: list[str] = []
+    if report.get("gap_flag"):
+        w.append(f"TRAIN/SERVE GAP: tau_sim {report['tau_sim']:.2f} vs served tau {report['tau']:.2f} "
+                 f"({report['gap'] * 100:+.0f}% > {report['gap_threshold'] * 100:.0f}%): training and serving "
+                 "differ (context incl. anchor? shifted labels? layer ids ±1? template/thinking? RoPE?)")
+    train = (report.get("training") or {}).get("tau_sim_train")
+    gap_t, flag_t = compute_gap(report["tau"], train, report.get("gap_threshold", GAP_THRESHOLD))
+    report["gap_train"] = gap_t
+    report["gap_train_flag"] = flag_t
+    if flag_t:
+        w.append(f"tau_sim logged in training ({train:.2f}, training data) vs served tau {report['tau']:.2f} "
+                 f"({gap_t * 100:+.0f}%)")
+    if not report.get("lossless", True):
+        m = report["mismatches"][0]
+        w.append(f"NOT LOSSLESS: {len(report['mismatches'])} output(s) differ from the target's greedy decode "
+                 f"(first: prompt {m['prompt']}, {m['drafter']}, token {m['index']}, logit gap "
+                 f"{m.get('logit_gap', '-')} > tolerance {m.get('tolerance', '-')})")
+    if report.get("near_ties"):
+        w.append(f"{len(report['near_ties'])} output(s) left the greedy decode at a near tie (logit gap within "
+                 f"{report['tie_tolerance']:g} relative: {report.get('dtype', 'low precision')} rounding, not "
+                 "a failure); identical outputs are not compared past that token")
+    report["warnings"] = w
+
+
+def _check_shapes(target: Any, drafter: Any, embed: Any) -> None:
+    from dflash_model.target.layers import decoder_layers
+
+    cfg = drafter.config
+    problems = []
+    if embed.shape[0] != cfg.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} vs the target's {embed.shape[0]} embedding rows")
+    if embed.shape[1] != cfg.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} vs the target's {embed.shape[1]}")
+    n = len(decoder_layers(target))
+    if cfg.num_target_layers != n:
+        problems.append(f"num_target_layers {cfg.num_target_layers} vs the target's {n} layers")
+    if problems:
+        raise EvaluationError("the export was not trained for this target: " + "; ".join(problems))
