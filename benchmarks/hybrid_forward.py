@@ -41,12 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.fast.settings import compile_wanted
-from dflash_model.target.linear_attention import fla_kernels
-from dflash_model.target.packed_attention import row_attention_mask
 from dflash_model.target.capture import FeatureCapture
-from dflash_model.target.layers import decoder_layers
 from dflash_model.target.features import load_feature_target
+from dflash_model.target.layers import decoder_layers
+from dflash_model.target.linear_attention import fla_kernels
 from dflash_model.target.load import PRESETS
+from dflash_model.target.packed_attention import row_attention_mask
 from online import timed  # noqa: E402  (benchmarks/ is the script's directory)
 
 QWEN36_27B = PRESETS["qwen3.6-27b"]

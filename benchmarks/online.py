@@ -33,18 +33,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_core.stage import StageContext
 from dflash_model.drafter import (
     build_blocks,
     doc_ids_from_lengths,
     sample_anchors,
     training_flops,
 )
-from dflash_core.stage import StageContext
+from dflash_model.target.features import load_feature_target
+from dflash_model.target.load import PRESETS
 from dflash_model.target.packed_attention import NAME as FLEX
 from dflash_model.target.packed_attention import register, resolve_attn_implementation
 from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
-from dflash_model.target.features import load_feature_target
-from dflash_model.target.load import PRESETS
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.trainer import Trainer
 

@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_model.drafter import read_export_config
     from dflash_core.artifacts import write_json
-    from dflash_stages.evaluate.report import clean_json, render_table
+    from dflash_model.drafter import read_export_config
     from dflash_stages.evaluate.export import evaluate_export
+    from dflash_stages.evaluate.report import clean_json, render_table
 
     console = Console(highlight=False)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,14 +44,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_model.fast.settings import compile_wanted
-from dflash_model.drafter.attention import resolve_backend
-from dflash_model.fast import tune_drafter
-from dflash_model.drafter.loss import loss_chunks
-from dflash_model.fast.optim import adamw, clipped_step
-from dflash_model.fast import compile_cache
 from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
                                  drafter_loss, sample_anchors, training_flops)
+from dflash_model.drafter.attention import resolve_backend
+from dflash_model.drafter.loss import loss_chunks
+from dflash_model.fast import tune_drafter
+from dflash_model.fast import compile_cache
+from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast.settings import compile_wanted
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
 from step_phases import LOSS, PhaseClock, breakdown, breakdown_table  # noqa: E402
 
@@ -67,8 +67,8 @@ def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterCo
     """The drafter a run builds for the target ``random:NAME`` (``TINY`` for ``tiny``): attention
     shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
     header extract would send, so the benchmark's dimensions are the package's own."""
-    from dflash_stages.train.drafter_init import drafter_config
     from dflash_stages.train.config import TrainConfig
+    from dflash_stages.train.drafter_init import drafter_config
 
     if name == "tiny":
         target = dict(TINY)

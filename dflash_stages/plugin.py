@@ -19,8 +19,8 @@ def dflash_pipe_register_stages(registry: Any) -> None:
     from dflash_stages.evaluate.stage import SpecDecodeEvaluate
     from dflash_stages.extract import HFHooksExtract
     from dflash_stages.generate.stage import HFGenerate
-    from dflash_stages.pack.stage import BestFitPack
     from dflash_stages.pack.random_rows import RandomRows
+    from dflash_stages.pack.stage import BestFitPack
     from dflash_stages.tokenize.stage import ChatTemplateTokenize
     from dflash_stages.train.stage import DFlashTrain
 

@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     from dflash_core.interrupts import graceful_signals
     from dflash_core.progress import make_display
-    from dflash_core.runner import Interrupted, Runner
     from dflash_core.resume import finished_at, resume_states
+    from dflash_core.runner import Interrupted, Runner
 
     ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
     if args.resume:

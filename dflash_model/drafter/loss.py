@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from dflash_model.fast.settings import triton_installed
 from dflash_model.drafter.anchors import (block_labels, build_blocks, pad_anchors, resolve_doc_ids, slot_weights,
                                          to_device)
 from dflash_model.drafter.config import default_gamma
+from dflash_model.fast.settings import triton_installed
 
 TARGETS = ("data", "target_argmax", "kl")
 

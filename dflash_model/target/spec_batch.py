@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from dflash_model.target import spec_cache, spec_decode
-from dflash_model.target.spec_decode import DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache
 from dflash_model.target.capture import FeatureCapture
+from dflash_model.target.spec_decode import DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache
 
 BatchDrafter = Callable[[list[DraftRequest]], list[Sequence[int]]]
 

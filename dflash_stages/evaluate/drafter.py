@@ -128,10 +128,10 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
     τ_sim, then the verdict (gap, lossless check); ``timing`` has the seconds of each part.
     """
-    from dflash_stages.evaluate import runs
+    from dflash_model.target.capture import embeddings_and_head
     from dflash_model.target.spec_batch import dflash_batch_drafter
     from dflash_model.target.spec_decode import eos_set, dflash_drafter
-    from dflash_model.target.capture import embeddings_and_head
+    from dflash_stages.evaluate import runs
 
     B = drafter.block_size
     layer_ids = list(drafter.config.target_layer_ids)
@@ -235,8 +235,8 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     leaves the reference at near ties, after which the reference is another text."""
     import torch
 
-    from dflash_model.target.spec_decode import teacher_forced_tau
     from dflash_model.target.capture import FeatureCapture
+    from dflash_model.target.spec_decode import teacher_forced_tau
 
     capture = FeatureCapture(target, layer_ids)
     dev = next(target.parameters()).device

@@ -102,8 +102,8 @@ class HFGenerate(Stage):
         import torch
 
         from dflash_model.target.generate import GpuBusy
-        from dflash_stages.generate.prompts import eos_ids
         from dflash_model.target.load import load_target
+        from dflash_stages.generate.prompts import eos_ids
         from dflash_stages.tokenize.stage import file_items
 
         cfg: GenerateConfig = self.config

@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generator, Iterator, Literal, Mapping
 
-from dflash_core.stage import Stage, StageContext
 from dflash_core.artifacts import write_json
+from dflash_core.stage import Stage, StageContext
 from dflash_stages.tokenize.output import (ShardWriter, check_invariant, check_some_kept, join, merge,
                                            new_stats, stats_table)
 

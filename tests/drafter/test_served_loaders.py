@@ -51,8 +51,8 @@ def _qwen3_5_published():
     partially rotated mRoPE attention, which a served Qwen3 layer could not reproduce."""
     import transformers
 
-    from dflash_stages.train.drafter_init import drafter_config
     from dflash_stages.train.config import TrainConfig
+    from dflash_stages.train.drafter_init import drafter_config
 
     target = transformers.AutoConfig.for_model(
         "qwen3_5_text", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=8,

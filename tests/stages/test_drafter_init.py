@@ -14,9 +14,9 @@ from dflash_core import StageContext
 from dflash_core.config_types import validate_params
 from dflash_model.drafter import DFlashDrafter, export_drafter, load_drafter
 from dflash_model.drafter.config import FULL
-from dflash_stages.train.drafter_init import drafter_config
 from dflash_stages.extract import ExtractConfig
 from dflash_stages.train.config import TrainConfig
+from dflash_stages.train.drafter_init import drafter_config
 from dflash_stages.train.trainer import Trainer
 
 REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"

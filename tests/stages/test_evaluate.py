@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.spec_decode import (DraftRequest, first_mismatch, greedy_decode, ngram_drafter, ngram_propose,
                                        oracle_drafter, speculative_decode, tau_histogram)
-from dflash_model.target.capture import FeatureCapture
 from tests.assets import unpack_qwen3_tokenizer
 
 B = 4
@@ -263,8 +263,8 @@ def test_tau_sim_from_given_features_equals_its_own_capture(target, prompts):
     """evaluate captures a completion's features once for both anchor sets: the same τ_sim, loss and
     accuracy as each call capturing them itself."""
     from dflash_model.drafter import DFlashDrafter
-    from dflash_model.target.spec_decode import teacher_forced_tau
     from dflash_model.target.capture import embeddings_and_head
+    from dflash_model.target.spec_decode import teacher_forced_tau
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(target.config, num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=126)

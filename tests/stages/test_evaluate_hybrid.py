@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dflash_model.target import spec_cache
+from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.spec_decode import (DraftRequest, greedy_decode, ngram_drafter, oracle_drafter,
                                        speculative_decode)
-from dflash_model.target.capture import FeatureCapture
 from tests.stages.test_evaluate import tiny_qwen3
 
 B, V = 4, 128

@@ -26,11 +26,11 @@ import contextlib
 import pytest
 import torch
 
-import dflash_model.drafter.loss as drafter_loss_module
 from dflash_model.drafter import DFlashDrafter, anchor_candidates, drafter_loss, export_drafter
+import dflash_model.drafter.loss as drafter_loss_module
 from dflash_model.drafter.mask import BlockLayout
-from dflash_stages.evaluate.export import evaluate_export
 from dflash_model.target.capture import FeatureCapture
+from dflash_stages.evaluate.export import evaluate_export
 
 V, H, B, PROMPT, COMPLETION = 64, 32, 4, 4, 20
 

@@ -43,9 +43,9 @@ def test_completions_are_greedy_decodes_and_tokenize_reads_them_back(tmp_path: P
     """Batched, left-padded generation = the target's one-prompt greedy decode; tokenize's supervised
     tokens of each record are exactly those generated ids (+ the end-of-turn token the template adds
     when the completion was cut); bad prompts are skipped with their reasons, never fatal."""
-    from dflash_stages.generate.prompts import eos_ids, record_messages, render_prompt
     from dflash_model.target.smollm2 import load_smollm2
     from dflash_model.target.spec_decode import greedy_decode
+    from dflash_stages.generate.prompts import eos_ids, record_messages, render_prompt
     from tests.stages.test_tokenize import run_stage
 
     good = [{"prompt": "Name a colour."}, {"messages": [{"role": "user", "content": "What is 2+2?"}]},

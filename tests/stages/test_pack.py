@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 
 from dflash_core.stage import StageContext
-from dflash_stages.pack.stage import BestFitPack, PackConfig
 from dflash_stages.pack.packing import BestFitPacker, PackError, SampleIndex
+from dflash_stages.pack.stage import BestFitPack, PackConfig
 
 N_SAMPLES = 2000
 TPR = 16384

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_stages.extract import ExtractConfig
+from dflash_model.target.capture import FeatureCapture
+from dflash_model.target.load import load_target
 from dflash_model.target.packed_attention import (
     NAME,
     doc_causal_mask_mod,
@@ -24,9 +25,8 @@ from dflash_model.target.packed_attention import (
     resolve_attn_implementation,
     row_attention_mask,
 )
-from dflash_model.target.load import load_target
-from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.packed_attention import packed_attention_mask
+from dflash_stages.extract import ExtractConfig
 from tests.stages.online_fixtures import tiny_target
 from tests.stages.test_extract import LAYERS, extract, packed_row
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_stages.extract import ExtractConfig
-from dflash_model.target.load import PRESETS, load_target
 from dflash_model.target.layers import base_model, decoder_layers
+from dflash_model.target.load import PRESETS, load_target
+from dflash_stages.extract import ExtractConfig
 from tests.assets import unpack_qwen3_tokenizer
 from tests.conftest import REPO
 

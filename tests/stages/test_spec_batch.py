@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
+from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.spec_batch import one_by_one, speculative_decode_batch
 from dflash_model.target.spec_decode import DraftRequest, greedy_decode, ngram_drafter, oracle_drafter, speculative_decode
-from dflash_model.target.capture import FeatureCapture
 from tests.stages.test_evaluate import B, target  # noqa: F401 (the fixture)
 
 LAYERS = [0, 1]
