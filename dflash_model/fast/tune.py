@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_model.fast import compile_cache
 from dflash_model.fast.flex import tune_flex
-from dflash_model.fast.regional import compile_drafter
 
 if TYPE_CHECKING:
     from dflash_model.drafter.model import DFlashDrafter
@@ -42,7 +42,11 @@ def tune_drafter(model: DFlashDrafter, device: torch.device, dtype: torch.dtype,
     ``cache_root`` (a path or URL; None = no cache). ``compile_options`` go to
     ``DFlashDrafter.compile_layers``. Speed only: results are the same beyond rounding."""
     tune_flex(model, device, dtype, kernel_options=kernel_options, tile=tile)
-    done = compile_drafter(model, compile, device, cache_root, logger or logging.getLogger(__name__),
-                           **(compile_options or {}))
-    return TunedDrafter(model=model, compiled=done.compiled, cache_url=done.cache_url,
-                        cache_loaded=done.cache_loaded)
+    if not compile:
+        return TunedDrafter(model=model, compiled=False, cache_url=None, cache_loaded=False)
+    model.compile_layers(**(compile_options or {}))
+    if not cache_root:
+        return TunedDrafter(model=model, compiled=True, cache_url=None, cache_loaded=False)
+    url = compile_cache.cache_url(str(cache_root), device)
+    loaded = compile_cache.load(url, logger or logging.getLogger(__name__))
+    return TunedDrafter(model=model, compiled=True, cache_url=None if loaded else url, cache_loaded=loaded)

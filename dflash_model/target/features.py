@@ -70,8 +70,7 @@ def load_feature_target(model: str, device: str | torch.device, *, dtype: str = 
                         compile: str = "auto") -> FeatureTarget:
     """Load ``model`` frozen on ``device`` (``load_target``), compile its decoder layers when
     ``compile`` (auto | on | off) wants it there, and hook the feature layers (``layers``: ids or
-    ``auto``; ``last_hidden``: return the final hidden state too). The layers are compiled before
-    the hooks go on, as ``compile_blocks`` expects."""
+    ``auto``; ``last_hidden``: return the final hidden state too)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -81,9 +80,9 @@ def load_feature_target(model: str, device: str | torch.device, *, dtype: str = 
     lm, tokenizer = load_target(model, str(device), dtype, attn)
     load_s = time.perf_counter() - t0
     ids = feature_layer_ids(layers, num_features, lm.config.num_hidden_layers)
-    compiled = compile_wanted(compile, dev)
-    if compiled:
-        compile_blocks(decoder_layers(lm))
-    return FeatureTarget(name=model, model=lm, tokenizer=tokenizer, layer_ids=ids,
-                         capture=FeatureCapture(lm, ids, last_hidden=last_hidden), attn=attn,
-                         compiled=compiled, load_s=load_s)
+    target = FeatureTarget(name=model, model=lm, tokenizer=tokenizer, layer_ids=ids,
+                           capture=FeatureCapture(lm, ids, last_hidden=last_hidden), attn=attn,
+                           compiled=False, load_s=load_s)
+    if compile_wanted(compile, dev):
+        target.compile_layers()
+    return target
