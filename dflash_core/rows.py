@@ -10,7 +10,8 @@ have written it. docs/pack.md documents every field (a test keeps it so).
 
 Producers build rows with :func:`packed_row`, :func:`producer_fields` and :func:`feature_row`, so
 that the field names are spelled here only. Extract's stream to train starts with a **target
-header** (``kind: "target"``, :data:`TARGET_HEADER`); its rows are marked ``kind: "row"``.
+header** (``kind: "target"``, :data:`TARGET_HEADER`, which train checks with :func:`check_fields`);
+its rows are marked ``kind: "row"``.
 """
 
 from __future__ import annotations
@@ -113,17 +114,24 @@ class RowError(ValueError):
     """A row is missing fields, or its per-token fields disagree in length."""
 
 
-def check_row(row: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
-    """Raise :class:`RowError` naming ``producer`` if ``row`` does not fit ``schema``."""
+def check_fields(item: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
+    """Raise :class:`RowError` naming ``producer`` if ``item`` lacks a field of ``schema``."""
     source = f"stage {producer!r}" if producer else "its upstream stage"
-    if not isinstance(row, Mapping):
+    if not isinstance(item, Mapping):
         raise RowError(f"stage {consumer!r} expects {schema.name}s (mappings) from {source}, "
-                       f"got {type(row).__name__}")
-    missing = [n for n in schema.names if n not in row]
+                       f"got {type(item).__name__}")
+    missing = [n for n in schema.names if n not in item]
     if missing:
         raise RowError(f"stage {consumer!r} got a {schema.name} from {source} without "
                        f"{', '.join(repr(n) for n in missing)}; a {schema.name} carries "
                        f"{', '.join(schema.names)} (dflash_core.rows, docs/pack.md)")
+
+
+def check_row(row: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
+    """Raise :class:`RowError` naming ``producer`` if ``row`` does not fit ``schema``: a field is
+    missing, or the per-token fields disagree in length."""
+    check_fields(row, schema, consumer, producer)
+    source = f"stage {producer!r}" if producer else "its upstream stage"
     total = len(row["input_ids"])
     uneven = [n for n in ("loss_mask", "position_ids") if len(row[n]) != total]
     if uneven or sum(int(n) for n in row["doc_lengths"]) != total:

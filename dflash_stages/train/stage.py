@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.rows import FEATURE_ROW, checked, is_target_header
+from dflash_core.rows import FEATURE_ROW, TARGET_HEADER, check_fields, checked, is_target_header
 from dflash_stages.train.config import TrainConfig
 
 
@@ -53,6 +53,7 @@ class DFlashTrain(Stage):
         header = next(rows, None)
         if not is_target_header(header):
             raise ValueError("train expects the extract stage's target header as its first item")
+        check_fields(header, TARGET_HEADER, ctx.stage, ctx.upstream("features"))
         trainer.setup(header)
         # fed by several extract ranks (fan-in), each sends its own copy of the header
         yield from trainer.fit(r for r in rows if not is_target_header(r))

@@ -74,3 +74,32 @@ def test_the_built_in_producers_write_packed_rows():
     finally:
         index.close()
     assert set(PACKED_ROW.names[:4]) | {"state"} <= set(row)
+
+
+def test_the_target_header_is_what_the_schema_says_and_train_checks_it(tmp_path):
+    """extract's header (``target_header`` on a real model) carries exactly TARGET_HEADER's fields;
+    train refuses a header without one, naming the stage that sent it, before it builds anything."""
+    import pytest
+    import torch
+    import transformers
+
+    from dflash_core import StageContext
+    from dflash_core.rows import TARGET_HEADER, RowError
+    from dflash_model.target.capture import target_header
+    from dflash_stages.train.config import TrainConfig
+    from dflash_stages.train.stage import DFlashTrain
+    from tests.assets import unpack_qwen3_tokenizer
+
+    cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(unpack_qwen3_tokenizer(tmp_path / "tok"))
+    header = target_header("tiny", model, [0], tok)
+    assert set(header) == set(TARGET_HEADER.names)
+
+    ctx = StageContext(stage="train", config=TrainConfig(), device="cpu", run_dir=str(tmp_path),
+                       pipeline={"train": {"after": {"features": "extract"}}})
+    broken = {k: v for k, v in header.items() if k != "lm_head_weight"}
+    with pytest.raises(RowError, match="stage 'train' got a target header from stage 'extract' without "
+                                       "'lm_head_weight'"):
+        next(DFlashTrain(TrainConfig()).run({"features": iter([broken])}, ctx))
