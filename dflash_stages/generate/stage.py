@@ -12,12 +12,16 @@ a distribution it will never be asked to draft. This stage regenerates the respo
 * Records without a usable prompt (undecodable, empty, unknown format, longer than
   ``max_prompt_tokens``, a template error) are skipped, written to ``skipped.jsonl`` with the reason
   and counted in the summary; they never stop the run.
-* The prompts are cut into shards of ``shard_records``; each shard is generated in batches of
-  similar prompt length and written to ``cache_dir`` by temp-file + rename. A shard on disk is never
-  generated again, so a killed run loses at most the shard it was working on. Sampling is seeded per
-  batch, so a resumed run writes what an uninterrupted one would have.
-* The backend is HF ``generate`` (offline, any causal LM ``load_target`` loads); another engine is
-  another ``generate:`` implementation.
+* The prompts are sorted by length (longest first, ties in file order) and cut into shards of
+  ``shard_records``, so that each batch holds prompts of nearly one length: a batch is padded to
+  its longest prompt, and sorting only within a shard left batches of 1,024 spanning every length.
+  Each shard is written to ``cache_dir`` by temp-file + rename, its records longest prompt first
+  (``source`` and ``line`` give each one's place in the input). A shard on disk is never generated
+  again, so a killed run loses at most the shard it was working on. Sampling is seeded per batch, so
+  a resumed run writes what an uninterrupted one would have.
+* The backend is the target's HF forward in a batched decode loop
+  (:func:`dflash_model.target.generate.complete`: offline, any causal LM ``load_target`` loads);
+  another engine is another ``generate:`` implementation.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class HFGenerate(Stage):
     kind = "generate"
     name = "hf"
     preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
-    version = "1"
+    version = "2"
     Config = GenerateConfig
     inputs = ("files",)
     default_link = "materialize"
@@ -112,7 +116,7 @@ class HFGenerate(Stage):
         model, tok = load_target(cfg.model, device=device, dtype=cfg.dtype)
         skipped: dict[str, int] = {}
         with open(os.path.join(ctx.work_dir, "skipped.jsonl"), "w", encoding="utf-8") as skip_file:
-            prompts = list(self._prompts(items, tok, cfg, skipped, skip_file))
+            prompts = sorted(self._prompts(items, tok, cfg, skipped, skip_file), key=lambda p: -len(p.ids))
         shard_dir = os.path.join(ctx.cache_dir, self._key(items))
         os.makedirs(shard_dir, exist_ok=True)
         eos = sorted(eos_ids(model, tok))
@@ -190,22 +194,20 @@ class HFGenerate(Stage):
     @staticmethod
     def _generate_shard(model: Any, shard: list[_Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
                         shard_no: int, tok: Any) -> list[dict]:
-        """Records of one shard, in prompt order; batches are formed longest prompt first."""
+        """Records of one shard (sorted by prompt length), in order, in batches of ``batch_size``."""
         from dflash_model.target.generate import complete
 
-        order = sorted(range(len(shard)), key=lambda i: -len(shard[i].ids))
-        out: list[dict | None] = [None] * len(shard)
-        for b in range(0, len(order), cfg.batch_size):
-            batch = order[b:b + cfg.batch_size]
+        out: list[dict] = []
+        for b in range(0, len(shard), cfg.batch_size):
+            batch = shard[b:b + cfg.batch_size]
             seed = cfg.seed * 1_000_003 + shard_no * 1009 + b // cfg.batch_size
-            done = complete(model, [shard[i].ids for i in batch], max_new_tokens=cfg.max_new_tokens, eos=eos,
+            done = complete(model, [p.ids for p in batch], max_new_tokens=cfg.max_new_tokens, eos=eos,
                             pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-            for i, c in zip(batch, done):
-                p = shard[i]
+            for p, c in zip(batch, done):
                 text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)
-                out[i] = {"id": p.id, "messages": p.messages + [{"role": "assistant", "content": text}],
-                          "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line}
-        return [r for r in out if r is not None]
+                out.append({"id": p.id, "messages": p.messages + [{"role": "assistant", "content": text}],
+                            "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line})
+        return out
 
     def _key(self, items: list[dict]) -> str:
         """Shard folder name: what the completions depend on (params, inputs), nothing else."""

@@ -61,11 +61,15 @@ def test_completions_are_greedy_decodes_and_tokenize_reads_them_back(tmp_path: P
     assert [(e["line"], e["reason"]) for e in skipped] == [(2, "invalid_utf8"), (4, "invalid_json"), (5, "empty"),
                                                          (6, "unknown_format"), (7, "over_length")]
     assert (s["prompts"], s["records_out"], s["shards"], len(items)) == (3, 3, 2, 2)
-    assert [r["line"] for r in records] == [1, 3, 8] and records[2]["id"] == "sg_0"
 
     model, tok = load_smollm2()
     eos = eos_ids(model, tok)
     prompts = [render_prompt(tok, record_messages(raw)) for raw in good]
+    # records come longest prompt first (ties in file order)
+    order = sorted(range(3), key=lambda i: -len(prompts[i]))
+    assert [r["line"] for r in records] == [[1, 3, 8][i] for i in order]
+    assert records[order.index(2)]["id"] == "sg_0"
+    good, prompts = [good[i] for i in order], [prompts[i] for i in order]
     refs = [greedy_decode(model, prompt, 10, eos) for prompt in prompts]
     for rec, raw, ref in zip(records, good, refs):
         assert rec["tokens"] == len(ref) and rec["finish"] == ("stop" if ref[-1] in eos else "length")
@@ -146,3 +150,50 @@ def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:
                   {"prompt": [{"role": "system", "content": "Be brief."}]}):
         with pytest.raises(PromptError, match="empty"):
             record_messages(empty)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kind: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that stop early are dropped from a dense target's cache; a hybrid's linear state has no
+    row selection, so there they ride along masked. Either way each row is its prompt's own greedy
+    decode, cut at its first end token."""
+    import random
+
+    import transformers
+
+    from dflash_model.target.spec_decode import greedy_decode
+    from tests.stages.test_evaluate import tiny_qwen3
+    from tests.stages.test_evaluate_hybrid import tiny_qwen3_5
+
+    model = tiny_qwen3() if kind == "dense" else tiny_qwen3_5()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(127) for _ in range(n)] for n in (3, 11, 6, 17, 8, 5, 14, 9)]
+    free = [greedy_decode(model, p, 12) for p in prompts]
+    eos = {free[0][1], free[1][3], free[2][5]}  # rows 0-2 (3 of 8) stop early, others where these occur
+    refs = [greedy_decode(model, p, 12, eos) for p in prompts]
+    assert sum(len(r) < 12 for r in refs) >= 3
+
+    selected: list[int] = []
+    real = transformers.DynamicCache.batch_select_indices
+    monkeypatch.setattr(transformers.DynamicCache, "batch_select_indices",
+                        lambda self, idx: (selected.append(len(idx)), real(self, idx))[1])
+    out = generate_batch.complete(model, prompts, max_new_tokens=12, eos=sorted(eos), pad_id=0)
+    assert [c.ids for c in out] == refs
+    assert [c.finish for c in out] == ["stop" if r[-1] in eos else "length" for r in refs]
+    if kind == "dense":
+        assert selected and all(n < len(prompts) for n in selected)
+    else:
+        assert selected == []
+
+
+def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it() -> None:
+    import torch
+
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))
+    gen = torch.Generator().manual_seed(0)
+    draw = lambda top_p: {int(generate_batch.pick(logits, 1.0, top_p, gen)) for _ in range(300)}
+    assert draw(0.6) == {1, 3}  # 0.4 + 0.3 reach 0.6
+    assert draw(1e-6) == {1}
+    assert draw(1.0) == {0, 1, 2, 3}
+    assert int(generate_batch.pick(logits, 0.0, 0.5, None)) == 1
