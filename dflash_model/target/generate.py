@@ -1,12 +1,21 @@
 """Batched completion of token-id prompts with the target's own forward, and how busy it keeps the GPU.
 
-Prompts are left-padded into one batch (every row then appends at the same slot), so a batch should
-hold prompts of similar length: the caller sorts them. Unlike HF ``generate``, rows that have
-stopped leave the batch (their cache rows are dropped once they are a quarter of it): with most
-completions of a batch ending at different lengths, finished rows would otherwise ride along to
-the longest one, each step paying for their attention over the whole cache. Sampling draws from a
-generator seeded per batch, so a batch's output does not depend on what ran before it (a resumed
-run makes the same completions as an uninterrupted one).
+One decode step runs every row in flight through the target at once; on a small target that step
+costs about the same whatever the batch holds (it is bound by launching ~40 kernels a layer), so
+the rows in flight are what sets the tokens per second. HF ``generate`` keeps every row of a batch
+until its longest is done: finished rows ride along, and the batch's tail runs with few rows left.
+Here, on targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every layer):
+
+* finished rows leave the cache once they are a quarter of the rows in flight, and
+* their places are refilled from the prompts still waiting, so the batch stays full to the end
+  (continuous batching). A newcomer's prompt is prefilled on its own and its KV rows are placed
+  beside the others, left-padded to the same width; positions are given per row, so a row's slot
+  in the cache does not matter. Columns that have become padding in every row are cut off.
+
+Other caches (a hybrid's linear-attention state has no row selection) decode in fixed batches in
+which finished rows stay, masked. Either way each row is its prompt's own decode: greedy outputs
+equal the one-prompt greedy decode. Sampling draws from one generator seeded by ``seed``, so a call
+makes the same completions whenever it runs (a resumed run equals an uninterrupted one).
 """
 
 from __future__ import annotations
@@ -17,12 +26,11 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_model.target import spec_cache
 from dflash_model.target.spec_decode import forward_kwargs, new_cache
 
 DROP_SHARE = 0.25
-"""Finished rows leave the batch once they are this share of it (each drop copies the cache).
-Linear-attention state (hybrid targets) has no row selection in transformers: there they stay."""
+"""Finished rows leave (and are replaced) once they are this share of the rows in flight: each drop
+copies the cache, so it is batched rather than done for every row."""
 
 
 @dataclass
@@ -31,16 +39,6 @@ class Completion:
     """Generated ids, the end-of-turn token included when the model stopped by itself."""
     finish: str
     """``stop`` (an end-of-turn token) or ``length`` (max_new_tokens reached)."""
-
-
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids.to(dev), mask.to(dev)
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -56,49 +54,132 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
     return order.gather(-1, torch.multinomial(p, 1, generator=gen)).squeeze(-1)
 
 
-@torch.no_grad()
-def complete(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos: Sequence[int],
-             pad_id: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[Completion]:
-    """The completion of each prompt (greedy when ``temperature`` is 0), one forward per new token."""
-    dev = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad_id, dev)
-    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    cache_arg, takes_cache_position = forward_kwargs(model)
-    cache = new_cache(model)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+def _plain_kv(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is plain growing KV, which rows can leave and join."""
+    from transformers.cache_utils import DynamicLayer
 
-    def forward(x: torch.Tensor, positions: torch.Tensor, **kw: Any) -> torch.Tensor:
-        if takes_cache_position:
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class _Flight:
+    """The rows in flight: one KV cache, its key mask, and per row its prompt, next position and
+    how many tokens it has made."""
+
+    def __init__(self, model: Any, pad_id: int) -> None:
+        self.model, self.pad_id = model, pad_id
+        self.dev = next(model.parameters()).device
+        self.cache_arg, self.takes_cache_position = forward_kwargs(model)
+        self._empty()
+
+    def _empty(self) -> None:
+        self.cache = new_cache(self.model)
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.dev)
+        self.pos = torch.zeros((0, 1), dtype=torch.long, device=self.dev)
+        self.rows = torch.zeros(0, dtype=torch.long, device=self.dev)
+        self.made = torch.zeros(0, dtype=torch.long, device=self.dev)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _forward(self, cache: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if self.takes_cache_position:
             start = cache.get_seq_length()
-            kw["cache_position"] = torch.arange(start, start + x.shape[1], device=dev)
-        out = model(input_ids=x, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **{cache_arg: cache}, **kw)
+            kw["cache_position"] = torch.arange(start, start + ids.shape[1], device=self.dev)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self.cache_arg: cache}, **kw)
         return out.logits[:, -1]
 
-    logits = forward(ids, pos, logits_to_keep=1)
-    can_drop = not spec_cache.linear_state_layers(cache)
-    pos = pos[:, -1:]
-    out = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long, device=dev)
-    rows = torch.arange(len(prompts), device=dev)  # the prompt of each cache row
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of each row's next token after ``tokens`` (one per row)."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.pos = self.pos + 1
+        return self._forward(self.cache, tokens[:, None], self.mask, self.pos)
+
+    def admit(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+        """Prefill ``prompts`` (left-padded among themselves) and add them to the flight; returns
+        the logits of their first tokens."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.dev), mask.to(self.dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        fresh = new_cache(self.model)
+        logits = self._forward(fresh, ids, mask, pos, logits_to_keep=1)
+        if len(self) == 0:
+            self.cache, self.mask = fresh, mask
+        else:  # side by side, the narrower left-padded: padded columns are masked, so zeros do
+            grow_old, grow_new = max(0, width - self.mask.shape[1]), max(0, self.mask.shape[1] - width)
+            for old, new in zip(self.cache.layers, fresh.layers, strict=True):
+                old.keys = torch.cat([_pad_left(old.keys, grow_old, 2), _pad_left(new.keys, grow_new, 2)])
+                old.values = torch.cat([_pad_left(old.values, grow_old, 2), _pad_left(new.values, grow_new, 2)])
+            self.mask = torch.cat([_pad_left(self.mask, grow_old, 1), _pad_left(mask, grow_new, 1)])
+        self.pos = torch.cat([self.pos, pos[:, -1:]])
+        self.rows = torch.cat([self.rows, torch.tensor(list(rows), dtype=torch.long, device=self.dev)])
+        self.made = torch.cat([self.made, torch.zeros(len(rows), dtype=torch.long, device=self.dev)])
+        return logits
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Only the rows ``keep`` stay; columns that are padding in all of them are cut off."""
+        if len(keep) == 0:
+            self._empty()
+            return
+        self.cache.batch_select_indices(keep)
+        self.mask, self.pos, self.rows, self.made = self.mask[keep], self.pos[keep], self.rows[keep], self.made[keep]
+        first = int(self.mask.any(0).nonzero()[0])
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.mask = self.mask[:, first:]
+
+
+@torch.no_grad()
+def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
+             eos: Sequence[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0) -> list[Completion]:
+    """The completion of each prompt (greedy when ``temperature`` is 0), at most ``batch_size`` rows
+    in flight. Rows join in the order given: the caller sorts by length, so that rows side by side
+    need little padding."""
+    flight = _Flight(model, pad_id)
+    dev = flight.dev
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     stop = torch.tensor(sorted(set(int(e) for e in eos)), dtype=torch.long, device=dev)
-    for t in range(max_new_tokens):
+    # one column more than a row can fill: rows that are done (masked riders) write their pad there
+    out = torch.full((len(prompts), max_new_tokens + 1), pad_id, dtype=torch.long, device=dev)
+    joined = min(batch_size, len(prompts))
+    logits = flight.admit(prompts[:joined], range(joined))
+    refill = _plain_kv(flight.cache)
+    done = torch.zeros(joined, dtype=torch.bool, device=dev)
+    while len(flight):
         tok = torch.where(done, pad_id, pick(logits, temperature, top_p, gen))
-        out[rows, t] = tok
-        done |= torch.isin(tok, stop)
+        out[flight.rows, torch.where(done, max_new_tokens, flight.made)] = tok
+        flight.made += ~done
+        done |= torch.isin(tok, stop) | (flight.made >= max_new_tokens)
         finished = int(done.sum())  # the one host sync of a step
-        if t == max_new_tokens - 1 or finished == len(done):
-            break
-        if can_drop and finished >= DROP_SHARE * len(done):
+        if finished == len(done) or (refill and finished >= DROP_SHARE * len(done)):
             keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            mask, pos, rows, done, tok = mask[keep], pos[keep], rows[keep], done[keep], tok[keep]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        pos = pos + 1
-        logits = forward(tok[:, None], pos)
+            flight.keep(keep)
+            tok, done = tok[keep], done[keep]
+        logits = flight.step(tok) if len(flight) else None
+        if joined < len(prompts) and (len(flight) == 0 or (refill and len(flight) <= (1 - DROP_SHARE) * batch_size)):
+            joining = range(joined, min(len(prompts), joined + batch_size - len(flight)))
+            first = flight.admit([prompts[i] for i in joining], joining)
+            logits = first if logits is None else torch.cat([logits, first])
+            done = torch.cat([done, torch.zeros(len(joining), dtype=torch.bool, device=dev)])
+            joined = joining.stop
     stopping = set(stop.tolist())
     result = []
-    for row in out.tolist():
+    for row in out[:, :max_new_tokens].tolist():
         n = next((i + 1 for i, t in enumerate(row) if t in stopping), None)
         result.append(Completion(row[:n], "stop") if n is not None else Completion(row, "length"))
     return result

@@ -83,16 +83,13 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
 
 def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],
                      pad_id: int, batch_size: int) -> tuple[list[list[int]], float]:
-    """The target's plain greedy decode by HF ``generate`` (batched on dense targets), and its seconds."""
+    """The target's plain greedy decode (batched on dense targets), and its seconds."""
     from dflash_model.target.generate import complete
     from dflash_model.target.spec_batch import supports_batch
 
-    step = batch_size if supports_batch(target) else 1
     t0 = time.perf_counter()
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), step):
-        out += [c.ids for c in complete(target, prompts[i:i + step], max_new_tokens=max_new_tokens,
-                                        eos=sorted(eos), pad_id=pad_id)]
+    out = [c.ids for c in complete(target, prompts, batch_size=batch_size if supports_batch(target) else 1,
+                                   max_new_tokens=max_new_tokens, eos=sorted(eos), pad_id=pad_id)]
     _sync(target)
     return out, time.perf_counter() - t0
 

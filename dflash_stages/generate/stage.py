@@ -17,7 +17,7 @@ a distribution it will never be asked to draft. This stage regenerates the respo
   its longest prompt, and sorting only within a shard left batches of 1,024 spanning every length.
   Each shard is written to ``cache_dir`` by temp-file + rename, its records longest prompt first
   (``source`` and ``line`` give each one's place in the input). A shard on disk is never generated
-  again, so a killed run loses at most the shard it was working on. Sampling is seeded per batch, so
+  again, so a killed run loses at most the shard it was working on. Sampling is seeded per shard, so
   a resumed run writes what an uninterrupted one would have.
 * The backend is the target's HF forward in a batched decode loop
   (:func:`dflash_model.target.generate.complete`: offline, any causal LM ``load_target`` loads);
@@ -57,7 +57,7 @@ class GenerateConfig:
     max_prompt_tokens: int = 2048
     """Longer prompts are skipped (``over_length``)."""
     batch_size: int = 64
-    """Prompts per ``generate`` call (sorted by length, so padding stays small)."""
+    """Most rows in flight at once (finished ones are replaced by waiting prompts of similar length)."""
     shard_records: int = 512
     """Prompts per output shard: the most a killed run loses."""
     temperature: float = 0.0
@@ -194,19 +194,17 @@ class HFGenerate(Stage):
     @staticmethod
     def _generate_shard(model: Any, shard: list[_Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
                         shard_no: int, tok: Any) -> list[dict]:
-        """Records of one shard (sorted by prompt length), in order, in batches of ``batch_size``."""
+        """Records of one shard (sorted by prompt length), in order, ``batch_size`` rows in flight."""
         from dflash_model.target.generate import complete
 
-        out: list[dict] = []
-        for b in range(0, len(shard), cfg.batch_size):
-            batch = shard[b:b + cfg.batch_size]
-            seed = cfg.seed * 1_000_003 + shard_no * 1009 + b // cfg.batch_size
-            done = complete(model, [p.ids for p in batch], max_new_tokens=cfg.max_new_tokens, eos=eos,
-                            pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-            for p, c in zip(batch, done):
-                text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)
-                out.append({"id": p.id, "messages": p.messages + [{"role": "assistant", "content": text}],
-                            "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line})
+        done = complete(model, [p.ids for p in shard], batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                        eos=eos, pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p,
+                        seed=cfg.seed * 1_000_003 + shard_no)
+        out = []
+        for p, c in zip(shard, done):
+            text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)
+            out.append({"id": p.id, "messages": p.messages + [{"role": "assistant", "content": text}],
+                        "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line})
         return out
 
     def _key(self, items: list[dict]) -> str:

@@ -104,7 +104,7 @@ def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Pa
 
     def crash_in_second_shard(*a: Any, **kw: Any) -> Any:
         calls.append(1)
-        if len(calls) == 4:  # shard 0 = calls 1-2, shard 1 = calls 3-4
+        if len(calls) == 2:  # one call per shard: the second shard dies
             raise RuntimeError("killed")
         return real(*a, **kw)
 
@@ -117,7 +117,7 @@ def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Pa
     calls.clear()
     monkeypatch.setattr(generate_batch, "complete", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _, ctx, resumed = run_generate(tmp_path, [src], "resumed", **params)
-    assert len(calls) == 3  # shards 1 and 2 only
+    assert len(calls) == 2  # shards 1 and 2 only
     assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3
     assert resumed == whole
 
@@ -178,13 +178,44 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     real = transformers.DynamicCache.batch_select_indices
     monkeypatch.setattr(transformers.DynamicCache, "batch_select_indices",
                         lambda self, idx: (selected.append(len(idx)), real(self, idx))[1])
-    out = generate_batch.complete(model, prompts, max_new_tokens=12, eos=sorted(eos), pad_id=0)
+    out = generate_batch.complete(model, prompts, batch_size=8, max_new_tokens=12, eos=sorted(eos), pad_id=0)
     assert [c.ids for c in out] == refs
     assert [c.finish for c in out] == ["stop" if r[-1] in eos else "length" for r in refs]
     if kind == "dense":
         assert selected and all(n < len(prompts) for n in selected)
     else:
         assert selected == []
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_waiting_prompts_join_the_rows_in_flight(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more prompts than ``batch_size``, a dense target's free places are refilled while other
+    rows are mid-decode (newcomers shorter and longer than the cache is wide); a hybrid's batches
+    run one after another. Every row is still its prompt's own greedy decode."""
+    import random
+
+    from dflash_model.target.spec_decode import greedy_decode
+    from tests.stages.test_evaluate import tiny_qwen3
+    from tests.stages.test_evaluate_hybrid import tiny_qwen3_5
+
+    model = tiny_qwen3() if kind == "dense" else tiny_qwen3_5()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(127) for _ in range(n)] for n in (4, 30, 7, 2, 19, 9, 41, 5, 12, 3, 25, 8)]
+    free = [greedy_decode(model, p, 10) for p in prompts]
+    eos = {free[0][0], free[2][2], free[4][4], free[6][6]}
+    refs = [greedy_decode(model, p, 10, eos) for p in prompts]
+    assert len({len(r) for r in refs}) >= 4  # rows end at several steps
+
+    in_flight_at_join: list[int] = []
+    real = generate_batch._Flight.admit
+    monkeypatch.setattr(generate_batch._Flight, "admit",
+                        lambda self, ps, rows: (in_flight_at_join.append(len(self)), real(self, ps, rows))[1])
+    out = generate_batch.complete(model, prompts, batch_size=4, max_new_tokens=10, eos=sorted(eos), pad_id=0)
+    assert [c.ids for c in out] == refs
+    if kind == "dense":
+        assert any(n > 0 for n in in_flight_at_join)
+    else:
+        assert in_flight_at_join == [0, 0, 0]
 
 
 def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it() -> None:

@@ -1,0 +1,87 @@
+"""Tokens per second of the generate stage's decode loop: batches one after another against one call
+that keeps its rows in flight (continuous batching), on real prompts.
+
+    python benchmarks/generate_speed.py --model smollm2 --device cuda:0 \
+        --prompts pipelines/data/sharegpt/train.jsonl --num-prompts 2048 --batch-size 1024
+
+The prompts are the first ``--num-prompts`` usable ones of the file, rendered with the chat template
+and sorted longest first, as the stage does. "batches" calls ``complete`` on each ``--batch-size``
+slice (finished rows leave the cache, none join: the tail of each batch runs with few rows);
+"in flight" is one call over all of them (finished rows are replaced by waiting prompts). Both
+decode greedily to ``--max-new-tokens``; the table gives seconds, tokens/s, the GPU's busy share
+(NVML) and whether the outputs are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--prompts", default="pipelines/data/sharegpt/train.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, action="append", help="rows in flight (repeatable); default 1024")
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    args = ap.parse_args()
+
+    import torch
+
+    from dflash_model.target.generate import GpuBusy, complete
+    from dflash_model.target.load import load_target
+    from dflash_stages.generate.prompts import PromptError, eos_ids, read_records, record_messages, render_prompt
+
+    model, tok = load_target(args.model, device=args.device)
+    prompts: list[list[int]] = []
+    for record in read_records(args.prompts):
+        try:
+            ids = render_prompt(tok, record_messages(record))
+        except PromptError:
+            continue
+        if len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == args.num_prompts:
+            break
+    prompts.sort(key=lambda p: -len(p))
+    eos = sorted(eos_ids(model, tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    dev = torch.device(args.device)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, max_new_tokens {args.max_new_tokens}",
+          flush=True)
+
+    def run(batch: int, in_flight: bool) -> tuple[float, list[list[int]], float | None]:
+        slices = [prompts] if in_flight else [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        with GpuBusy(dev) as busy:
+            t0 = time.perf_counter()
+            out = [c.ids for part in slices for c in complete(model, part, batch_size=batch, eos=eos, pad_id=pad,
+                                                             max_new_tokens=args.max_new_tokens)]
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - t0
+        return seconds, out, busy.share
+
+    complete(model, prompts[-8:], batch_size=8, eos=eos, pad_id=pad, max_new_tokens=8)  # warm-up
+    rows = []
+    for batch in args.batch_size or [1024]:
+        first = None
+        for in_flight in (False, True):
+            seconds, out, busy = run(batch, in_flight)
+            tokens = sum(map(len, out))
+            same = "-" if first is None else f"{sum(a == b for a, b in zip(first, out))}/{len(out)}"
+            first = first or out
+            rows.append((batch, "in flight" if in_flight else "batches", seconds, tokens, busy, same))
+            print(f"batch {batch} {rows[-1][1]}: {seconds:.1f} s, {tokens / seconds:,.0f} tokens/s", flush=True)
+    print(f"\n{'batch':>6} {'mode':<10} {'s':>7} {'tokens':>9} {'tokens/s':>9} {'GPU busy':>8} {'same':>9}")
+    for batch, mode, seconds, tokens, busy, same in rows:
+        shown = f"{busy:.0%}" if busy is not None else "-"
+        print(f"{batch:>6} {mode:<10} {seconds:7.1f} {tokens:9d} {tokens / seconds:9,.0f} {shown:>8} {same:>9}")
+
+
+if __name__ == "__main__":
+    main()
