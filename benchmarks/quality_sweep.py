@@ -95,7 +95,7 @@ def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: flo
     reports = sorted(glob.glob(str(run_dir / "work" / "evaluate" / "step-*" / "report.json")))
     if reports:
         rep = json.loads(Path(reports[-1]).read_text())
-        row.update({k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")})
+        row.update({k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "tau_serve_all", "lossless", "num_prompts")})
     return row
 
 
@@ -144,12 +144,13 @@ def main() -> int:
     (out / "sweep.json").write_text(json.dumps(rows, indent=1))
 
     print(f"\n{'point':<16} {'rc':>3} {'steps':>6} {'tokens':>8} {'loss':>6} {'acc':>5} "
-          f"{'τ_sim tr':>8} {'τ_sim':>6} {'τ':>6} {'n-gram':>6} {'wall s':>7}")
+          f"{'τ_sim tr':>8} {'τ_sim':>6} {'τ_serve':>7} {'τ':>6} {'n-gram':>6} {'wall s':>7}")
     for r in rows:
         def f(key: str, fmt: str) -> str:
             return format(r[key], fmt) if r.get(key) is not None else "-"
         print(f"{r['point']:<16} {r['rc']:>3} {f('steps', 'd'):>6} {f('tokens', '.2e'):>8} {f('loss', '.3f'):>6} "
-              f"{f('acc', '.3f'):>5} {f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau', '.2f'):>6} "
+              f"{f('acc', '.3f'):>5} {f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau_serve_all', '.2f'):>7} "
+              f"{f('tau', '.2f'):>6} "
               f"{f('tau_ngram', '.2f'):>6} {r['wall_s']:>7}")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
