@@ -84,14 +84,34 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
 def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],
                      pad_id: int, batch_size: int) -> tuple[list[list[int]], float]:
     """The target's plain greedy decode (batched on dense targets), and its seconds."""
-    from dflash_model.target.generate import complete
     from dflash_model.target.spec_batch import supports_batch
 
+    step = batch_size if supports_batch(target) else 1
     t0 = time.perf_counter()
-    out = [c.ids for c in complete(target, prompts, batch_size=batch_size if supports_batch(target) else 1,
-                                   max_new_tokens=max_new_tokens, eos=sorted(eos), pad_id=pad_id)]
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), step):
+        out += hf_greedy(target, prompts[i:i + step], max_new_tokens, eos, pad_id)
     _sync(target)
     return out, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def hf_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],
+              pad_id: int) -> list[list[int]]:
+    """HF ``generate``'s greedy decode of the left-padded ``prompts``, each cut after its first end
+    token. The reference is code we did not write, so a bug that our decode loops (the generate
+    stage's, the speculative ones) share cannot hide in the check."""
+    dev = next(target.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    out = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
+                          eos_token_id=sorted(eos), pad_token_id=pad_id, do_sample=False, temperature=None,
+                          top_p=None, top_k=None)
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out[:, width:].tolist()]
 
 
 @torch.no_grad()
