@@ -54,6 +54,18 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
     return order.gather(-1, torch.multinomial(p, 1, generator=gen)).squeeze(-1)
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [len(prompts), longest], each prompt at the right end of its row: a
+    batch that decodes appends at the same column in every row."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def _plain_kv(cache: Any) -> bool:
     """Whether every layer of ``cache`` is plain growing KV, which rows can leave and join."""
     from transformers.cache_utils import DynamicLayer
@@ -106,13 +118,8 @@ class _Flight:
     def admit(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
         """Prefill ``prompts`` (left-padded among themselves) and add them to the flight; returns
         the logits of their first tokens."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.dev), mask.to(self.dev)
+        ids, mask = (t.to(self.dev) for t in left_pad(prompts, self.pad_id))
+        width = ids.shape[1]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         fresh = new_cache(self.model)
         logits = self._forward(fresh, ids, mask, pos, logits_to_keep=1)

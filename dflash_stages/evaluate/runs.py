@@ -101,13 +101,11 @@ def hf_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
     """HF ``generate``'s greedy decode of the left-padded ``prompts``, each cut after its first end
     token. The reference is code we did not write, so a bug that our decode loops (the generate
     stage's, the speculative ones) share cannot hide in the check."""
+    from dflash_model.target.generate import left_pad
+
     dev = next(target.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_pad(prompts, pad_id)
+    width = ids.shape[1]
     out = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
                           eos_token_id=sorted(eos), pad_token_id=pad_id, do_sample=False, temperature=None,
                           top_p=None, top_k=None)
