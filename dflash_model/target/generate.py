@@ -157,6 +157,8 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
     """The completion of each prompt (greedy when ``temperature`` is 0), at most ``batch_size`` rows
     in flight. Rows join in the order given: the caller sorts by length, so that rows side by side
     need little padding."""
+    if not prompts:
+        return []
     flight = _Flight(model, pad_id)
     dev = flight.dev
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None

@@ -212,6 +212,7 @@ def test_waiting_prompts_join_the_rows_in_flight(kind: str, monkeypatch: pytest.
                         lambda self, ps, rows: (in_flight_at_join.append(len(self)), real(self, ps, rows))[1])
     out = generate_batch.complete(model, prompts, batch_size=4, max_new_tokens=10, eos=sorted(eos), pad_id=0)
     assert [c.ids for c in out] == refs
+    assert generate_batch.complete(model, [], batch_size=4, max_new_tokens=10, eos=sorted(eos), pad_id=0) == []
     if kind == "dense":
         assert any(n > 0 for n in in_flight_at_join)
     else:
