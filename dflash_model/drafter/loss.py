@@ -144,7 +144,8 @@ class LossOutput:
     does it once per log window). per_slot_* are over slots 1..B-1; a slot counts only where
     supervised. tau_sim treats an unsupervised slot as a miss (acceptance stops there); tau_serve
     is the τ a served decode would make on the same blocks (``tau_serve``).
-    acc/per_slot_acc are NaN when empty. n_blocks counts real (not padding) blocks.
+    acc/per_slot_acc are NaN when empty. n_blocks counts real (not padding) blocks; block_tau
+    [N] is each block's τ (float64), padding blocks last.
     """
 
     loss: torch.Tensor
@@ -154,6 +155,7 @@ class LossOutput:
     acc: torch.Tensor
     tau_sim: torch.Tensor
     tau_serve: torch.Tensor
+    block_tau: torch.Tensor
     n_blocks: int
     n_supervised: torch.Tensor
 
@@ -246,5 +248,5 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     return LossOutput(
         loss=loss, per_slot_acc=per_correct.double() / count.double(), per_slot_correct=per_correct,
         per_slot_count=count, acc=per_correct.sum().double() / count.sum().double(),
-        tau_sim=tau_sim(correct, valid), tau_serve=tau_serve(correct, valid), n_blocks=n_real,
-        n_supervised=count.sum())
+        tau_sim=tau_sim(correct, valid), tau_serve=tau_serve(correct, valid), block_tau=_block_tau(correct),
+        n_blocks=n_real, n_supervised=count.sum())

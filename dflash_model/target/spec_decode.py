@@ -320,19 +320,17 @@ def tau_histogram(accepted: Iterable[int], block_size: int) -> list[int]:
 @torch.no_grad()
 def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequence[int],
                        completion: Sequence[int], embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                       layer_ids: Sequence[int] | None = None, anchors: Sequence[int] | None = None,
-                       features: torch.Tensor | None = None) -> dict[str, float]:
+                       layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """τ_sim of the drafter on [prompt + completion] the training way: target features from
     ``FeatureCapture.capture`` (no cache), anchors = every candidate in the completion,
     ``drafter_loss`` with loss_mask = completion tokens. Only anchors whose whole block lies inside
     the completion count (``full_blocks``; like the served τ, which counts only cycles with a whole
     block of draft budget), so the end of a short completion does not bias τ_sim down.
-    ``anchors``: only these positions (e.g. the served cycles' block starts, which makes τ_sim and the
-    served τ the same quantity on the same blocks). ``features`` [T, k*H]: that capture, when the
-    caller has it already (several anchor sets on one completion). Returns tau_sim, loss, acc, n_blocks."""
+    Returns tau_sim, tau_serve, loss, acc, n_blocks, and ``anchor_tau``: each anchor's τ. A block
+    sees the context's features and itself only, so the τ at a subset of anchors (e.g. the served
+    cycles' block starts, where τ_sim and the served τ are the same quantity) is read from it."""
     from dflash_model.drafter import anchor_candidates, drafter_loss
 
-    anchors_given = anchors
     ids_list = list(prompt_ids) + list(completion)
     T, P = len(ids_list), len(prompt_ids)
     dev = next(target.parameters()).device
@@ -343,18 +341,14 @@ def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequen
     anchors = anchor_candidates(loss_mask, docs)
     full = anchors[anchors + drafter.block_size - 1 < T]
     anchors = full if full.numel() else anchors
-    if anchors_given is not None:
-        keep = torch.tensor(sorted(set(int(a) for a in anchors_given)), dtype=torch.long, device=dev)
-        anchors = anchors[torch.isin(anchors, keep)]
     if anchors.numel() == 0:
         return {"tau_sim": float("nan"), "tau_serve": float("nan"), "loss": float("nan"), "acc": float("nan"),
-                "n_blocks": 0}
-    if features is None:
-        ids_layers = layer_ids if layer_ids is not None else drafter.config.target_layer_ids
-        features = FeatureCapture(target, ids_layers).capture(ids[None])[0][0]
+                "n_blocks": 0, "anchor_tau": {}}
+    features = FeatureCapture(target, layer_ids if layer_ids is not None else drafter.config.target_layer_ids
+                              ).capture(ids[None])[0][0]
     dtype = next(drafter.parameters()).dtype
     out = drafter_loss(drafter, features.to(dtype), ids, loss_mask, torch.arange(T, device=dev), [T], anchors,
                        embed_weight, lm_head_weight, attn_backend="sdpa")
     return {"tau_sim": float(out.tau_sim), "tau_serve": float(out.tau_serve), "loss": float(out.loss),
-            "acc": float(out.acc),
-            "n_blocks": int(out.n_blocks)}
+            "acc": float(out.acc), "n_blocks": int(out.n_blocks),
+            "anchor_tau": dict(zip(anchors.tolist(), out.block_tau.tolist()))}

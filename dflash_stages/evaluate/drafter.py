@@ -228,25 +228,19 @@ def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, An
 
 def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], results: Sequence[Any],
              per_prompt: list[dict[str, Any]], embed: Any, head: Any, layer_ids: list[int]) -> dict[str, Any]:
-    """τ_sim teacher-forced on each prompt + the drafter's served output: at the served full blocks'
-    anchors (the gap's basis) and at every anchor (the trainer's view, with loss and accuracy).
+    """τ_sim teacher-forced on each prompt + the drafter's served output, in one pass: at every
+    anchor (the trainer's view, with loss and accuracy) and, read from it, at the served full
+    blocks' anchors (the gap's basis).
 
     The served output, not the greedy reference: the anchors are positions in it, and in bf16 it
     leaves the reference at near ties, after which the reference is another text."""
-    import torch
-
-    from dflash_model.target.capture import FeatureCapture
     from dflash_model.target.spec_decode import teacher_forced_tau
 
-    capture = FeatureCapture(target, layer_ids)
-    dev = next(target.parameters()).device
     at, every = [], []
     for row, prompt, res in zip(per_prompt, prompts, results):
-        anchors = [a for a, f in zip(res.anchors, res.full) if f]
-        out = res.tokens
-        feats = capture.capture(torch.tensor([list(prompt) + list(out)], device=dev))[0][0]  # one forward, two uses
-        sim = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, anchors=anchors, features=feats)
-        sim_all = teacher_forced_tau(drafter, target, prompt, out, embed, head, layer_ids, features=feats)
+        sim_all = teacher_forced_tau(drafter, target, prompt, res.tokens, embed, head, layer_ids)
+        served = [sim_all["anchor_tau"][a] for a, f in zip(res.anchors, res.full) if f and a in sim_all["anchor_tau"]]
+        sim = {"tau_sim": sum(served) / len(served) if served else float("nan"), "n_blocks": len(served)}
         row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], tau_serve_all=sim_all["tau_serve"],
                    sim_loss=sim_all["loss"])
         at.append(sim)
