@@ -1,10 +1,10 @@
 """Batched completion of token-id prompts with the target's own forward, and how busy it keeps the GPU.
 
-One decode step runs every row in flight through the target at once; on a small target that step
-costs about the same whatever the batch holds (it is bound by launching ~40 kernels a layer), so
-the rows in flight are what sets the tokens per second. HF ``generate`` keeps every row of a batch
-until its longest is done: finished rows ride along, and the batch's tail runs with few rows left.
-Here, on targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every layer):
+One decode step runs every row in flight through the target at once; on a small target a step
+costs about the same whatever the batch holds (launching each layer's kernels dominates), so the
+rows in flight set the tokens per second. HF ``generate`` keeps every row of a batch until its
+longest is done: finished rows ride along, and the batch's tail runs with few rows left. Here, on
+targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every layer):
 
 * finished rows leave the cache once they are a quarter of the rows in flight, and
 * their places are refilled from the prompts still waiting, so the batch stays full to the end

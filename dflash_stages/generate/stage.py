@@ -13,8 +13,8 @@ a distribution it will never be asked to draft. This stage regenerates the respo
   ``max_prompt_tokens``, a template error) are skipped, written to ``skipped.jsonl`` with the reason
   and counted in the summary; they never stop the run.
 * The prompts are sorted by length (longest first, ties in file order) and cut into shards of
-  ``shard_records``, so that each batch holds prompts of nearly one length: a batch is padded to
-  its longest prompt, and sorting only within a shard left batches of 1,024 spanning every length.
+  ``shard_records``, so that the rows decoded side by side have nearly one length: they are
+  left-padded to the longest, whatever the shard and batch sizes.
   Each shard is written to ``cache_dir`` by temp-file + rename, its records longest prompt first
   (``source`` and ``line`` give each one's place in the input). A shard on disk is never generated
   again, so a killed run loses at most the shard it was working on. Sampling is seeded per shard, so
