@@ -18,7 +18,11 @@ err_console = Console(stderr=True, highlight=False, markup=False)
 
 def plugin_manager(args: argparse.Namespace) -> PluginManager:
     """Plugins from entry points (unless disabled) plus ``-p module`` the user names;
-    ``-p no:NAME`` disables the plugin NAME."""
+    ``-p no:NAME`` disables the plugin NAME. The manager that built the command line (it collected
+    the plugins' commands) is handed on in ``args``, so plugins load once per command."""
+    loaded = getattr(args, "loaded_plugins", None)
+    if loaded is not None:
+        return loaded
     specs = getattr(args, "plugin", None) or []
     disabled = [s[3:] for s in specs if s.startswith("no:")]
     extra = [s for s in specs if not s.startswith("no:")]

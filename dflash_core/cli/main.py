@@ -39,7 +39,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("-p", dest="plugin", action="append")
     known, _ = early.parse_known_args(sys.argv[1:] if argv is None else argv)
-    plugin_manager(known).hook.dflash_pipe_add_commands(subparsers=sub, common=common)
+    pm = plugin_manager(known)
+    pm.hook.dflash_pipe_add_commands(subparsers=sub, common=common)
+    parser.set_defaults(loaded_plugins=pm)
     return parser
 
 

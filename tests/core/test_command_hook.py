@@ -101,3 +101,20 @@ def test_builtin_commands_come_through_the_hook_and_go_with_their_plugin(cli_exi
     assert f"invalid choice: '{command}'" in res.err
     remaining = commands(["-p", f"no:{BUILTIN_PLUGIN}"])
     assert command not in remaining and {"run", "validate", "status"} <= remaining  # the engine's stay
+
+
+def test_a_command_loads_the_plugins_once(command_plugin, cli_exits, monkeypatch):
+    """The manager that collected the plugins' commands is the one the command uses."""
+    from dflash_core.cli import common
+
+    made: list[object] = []
+
+    class Counted(common.PluginManager):
+        def __init__(self, *a, **kw):
+            made.append(self)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(common, "PluginManager", Counted)
+    res = cli_exits("plugins", "-p", PLUGIN)
+    assert res.code == 0, res.text
+    assert PLUGIN in res.out and len(made) == 1
