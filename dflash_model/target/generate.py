@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -162,7 +162,8 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
     flight = _Flight(model, pad_id)
     dev = flight.dev
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    stop = torch.tensor(sorted(set(int(e) for e in eos)), dtype=torch.long, device=dev)
+    stopping = {int(e) for e in eos}
+    stop = torch.tensor(sorted(stopping), dtype=torch.long, device=dev)
     # one column more than a row can fill: rows that are done (masked riders) write their pad there
     out = torch.full((len(prompts), max_new_tokens + 1), pad_id, dtype=torch.long, device=dev)
     joined = min(batch_size, len(prompts))
@@ -186,12 +187,16 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
             logits = first if logits is None else torch.cat([logits, first])
             done = torch.cat([done, torch.zeros(len(joining), dtype=torch.bool, device=dev)])
             joined = joining.stop
-    stopping = set(stop.tolist())
     result = []
     for row in out[:, :max_new_tokens].tolist():
-        n = next((i + 1 for i, t in enumerate(row) if t in stopping), None)
+        n = end_of(row, stopping)
         result.append(Completion(row[:n], "stop") if n is not None else Completion(row, "length"))
     return result
+
+
+def end_of(tokens: Sequence[int], eos: Collection[int]) -> int | None:
+    """Length of ``tokens`` up to and including the first end token; None when there is none."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
 
 
 class GpuBusy:

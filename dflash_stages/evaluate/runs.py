@@ -101,7 +101,7 @@ def hf_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
     """HF ``generate``'s greedy decode of the left-padded ``prompts``, each cut after its first end
     token. The reference is code we did not write, so a bug that our decode loops (the generate
     stage's, the speculative ones) share cannot hide in the check."""
-    from dflash_model.target.generate import left_pad
+    from dflash_model.target.generate import end_of, left_pad
 
     dev = next(target.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
@@ -109,7 +109,7 @@ def hf_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
     out = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
                           eos_token_id=sorted(eos), pad_token_id=pad_id, do_sample=False, temperature=None,
                           top_p=None, top_k=None)
-    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out[:, width:].tolist()]
+    return [row[:end_of(row, eos)] for row in out[:, width:].tolist()]
 
 
 @torch.no_grad()
