@@ -163,12 +163,7 @@ class LossOutput:
 def tau_sim(correct: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over blocks of 1 + number of leading correct slots (correct: [N, B-1] bool);
     ``valid`` [N] bool leaves padding blocks out (without a host sync)."""
-    if correct.shape[0] == 0:
-        return torch.tensor(math.nan, dtype=torch.float64)
-    accepted = _block_tau(correct)
-    if valid is None:
-        return accepted.mean()
-    return (accepted * valid).sum() / valid.sum()
+    return _mean(_block_tau(correct), valid)
 
 
 def tau_serve(correct: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,17 +173,25 @@ def tau_serve(correct: torch.Tensor, valid: torch.Tensor | None = None) -> torch
     and spends many cycles in a stretch where τ is low, so its τ (tokens per cycle) is the number
     of blocks over the sum of 1/τ, where ``tau_sim`` is the plain mean. Exact where τ stays the same
     along each cycle's span; an estimate otherwise. Same arguments as ``tau_sim``."""
-    if correct.shape[0] == 0:
-        return torch.tensor(math.nan, dtype=torch.float64)
-    inverse = 1 / _block_tau(correct)
-    if valid is None:
-        return 1 / inverse.mean()
-    return valid.sum() / (inverse * valid).sum()
+    return _harmonic_mean(_block_tau(correct), valid)
 
 
 def _block_tau(correct: torch.Tensor) -> torch.Tensor:
     """Each block's τ: 1 + its leading correct slots, in float64."""
     return (1 + correct.long().cumprod(dim=1).sum(dim=1)).double()
+
+
+def _mean(block: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    if block.shape[0] == 0:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    return block.mean() if valid is None else (block * valid).sum() / valid.sum()
+
+
+def _harmonic_mean(block: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    if block.shape[0] == 0:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    inverse = 1 / block
+    return 1 / inverse.mean() if valid is None else valid.sum() / (inverse * valid).sum()
 
 
 def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torch.Tensor,
@@ -245,8 +248,9 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     correct = ((pred == tgt) & flat_sup).view(N, B - 1)
     count = sup.long().sum(0)
     per_correct = correct.long().sum(0)
+    block = _block_tau(correct)  # once: the step logs both means of it
     return LossOutput(
         loss=loss, per_slot_acc=per_correct.double() / count.double(), per_slot_correct=per_correct,
         per_slot_count=count, acc=per_correct.sum().double() / count.sum().double(),
-        tau_sim=tau_sim(correct, valid), tau_serve=tau_serve(correct, valid), block_tau=_block_tau(correct),
+        tau_sim=_mean(block, valid), tau_serve=_harmonic_mean(block, valid), block_tau=block,
         n_blocks=n_real, n_supervised=count.sum())
