@@ -38,12 +38,6 @@ class ExtractConfig:
         "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
                 "CUDA) | on | off"})
 
-    def layer_ids(self, n_layers: int) -> list[int]:
-        """The target layers to read: DESIGN's rule for ``auto``, else as given."""
-        from dflash_model.target.features import feature_layer_ids
-
-        return feature_layer_ids(self.layers, self.num_features, n_layers)
-
     def load_target(self, device: str) -> Any:
         """The target loaded, compiled and hooked as this config says (a ``FeatureTarget``)."""
         from dflash_model.target.features import load_feature_target

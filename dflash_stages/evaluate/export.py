@@ -121,6 +121,3 @@ def _tokenizer(meta: Mapping[str, Any], target_ref: str | None, tok: Any) -> Any
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ref)
-
-
-# --------------------------------------------------------------------------- the stage

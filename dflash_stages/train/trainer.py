@@ -140,8 +140,7 @@ class Trainer:
 
     # ------------------------------------------------------------------- loop
     def total_steps(self, row: dict[str, Any]) -> int | None:
-        if self.cfg.total_steps:
-            return self.cfg.total_steps
+        """Steps of the whole run from the pack stage's epoch plan (``cfg.total_steps`` unset)."""
         per_epoch, epochs = row.get("rows_per_epoch"), row.get("epochs")
         if per_epoch and epochs:
             return max(1, int(per_epoch) * int(epochs) * self.fan_in() // self.cfg.rows_per_step)
@@ -227,7 +226,7 @@ class Trainer:
                              "the upstream stages kept nothing (see their counts: tokenize's "
                              "samples_out, pack's rows)")
         if window:
-            self._log(window, grad_norm if self.step else 0.0, lr_at(self.step, self.total, cfg),
+            self._log(window, grad_norm, lr_at(self.step, self.total, cfg),
                       (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
         ctx.summary.update(steps=self.step, peak_gib=peak_gib(self.device))
         if interrupted:

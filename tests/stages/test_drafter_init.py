@@ -14,6 +14,7 @@ from dflash_core import StageContext
 from dflash_core.config_types import validate_params
 from dflash_model.drafter import DFlashDrafter, export_drafter, load_drafter
 from dflash_model.drafter.config import FULL
+from dflash_model.target.features import feature_layer_ids
 from dflash_stages.extract import ExtractConfig
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.drafter_init import drafter_config
@@ -43,7 +44,8 @@ def header(config: dict[str, Any], layer_ids: list[int], tokenizer_len: int | No
 
 def qwen3_6_header() -> dict[str, Any]:
     real = json.loads(REAL_CONFIG.read_text())
-    ids = ExtractConfig(model="Qwen/Qwen3.6-27B").layer_ids(real["text_config"]["num_hidden_layers"])
+    cfg = ExtractConfig(model="Qwen/Qwen3.6-27B")  # the stage's defaults: layers auto, 5 features
+    ids = feature_layer_ids(cfg.layers, cfg.num_features, real["text_config"]["num_hidden_layers"])
     return header(real, ids, tokenizer_len=248077, device="meta")  # 248,044 BPE + 33 special tokens
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_model.target.features import feature_layer_ids
 from dflash_model.target.layers import base_model, decoder_layers
 from dflash_model.target.load import PRESETS, load_target
 from dflash_stages.extract import ExtractConfig
@@ -50,8 +51,8 @@ def test_random_with_the_real_config_builds_the_text_model_at_its_shape() -> Non
     assert tok.vocab_size == 248320
     layers = decoder_layers(model)
     assert len(layers) == 64
-    assert ExtractConfig(model=f"random:{REAL_CONFIG}").layer_ids(model.config.num_hidden_layers) \
-        == [1, 16, 31, 46, 61]
+    cfg = ExtractConfig(model=f"random:{REAL_CONFIG}")  # the stage's defaults: layers auto, 5 features
+    assert feature_layer_ids(cfg.layers, cfg.num_features, model.config.num_hidden_layers) == [1, 16, 31, 46, 61]
     kinds = [model.config.layer_types[i] for i in range(64)]
     assert kinds == (["linear_attention"] * 3 + ["full_attention"]) * 16
     embed = model.get_input_embeddings().weight
