@@ -106,16 +106,6 @@ def _prefill(model: nn.Module, prompts: Sequence[Sequence[int]], block_size: int
     return rows, valid
 
 
-def _request(row: _Row, block_size: int, max_new_tokens: int, dev: torch.device) -> DraftRequest:
-    """What the drafter sees of a live row, as in the per-prompt loop: the features of its verified
-    tokens, and as many drafts as are still useful (B-1, fewer near ``max_new_tokens``)."""
-    n_ctx = len(row.tokens) - 1
-    want = min(block_size - 1, max_new_tokens - len(row.result.tokens) - 1)
-    return DraftRequest(features=torch.cat(row.feats) if row.feats else None,
-                        positions=torch.arange(n_ctx, device=dev), tokens=row.tokens,
-                        last_token=row.tokens[-1], last_position=n_ctx, max_tokens=want)
-
-
 def _draft(drafter: BatchDrafter, reqs: list[DraftRequest]) -> list[list[int]]:
     """Each request's drafts, cut to its ``max_tokens``; a row with no budget left is not asked (it gets
     none), and the drafter is not called at all when no row has any."""
@@ -142,24 +132,14 @@ def _block(n_rows: int, live: list[int], reqs: list[DraftRequest], drafts: list[
 
 
 def _accept(row: _Row, req: DraftRequest, drafts: list[int], target: list[int], feats: torch.Tensor | None,
-            eos: set[int], max_new_tokens: int) -> int:
-    """Takes a row's accepted drafts and the target's own token after them (so the output is the target's
-    greedy decode whatever was drafted), keeps their features for the next draft and records the cycle;
-    returns how many drafts were accepted, so the caller can mask the rest."""
+            eos: set[int]) -> int:
+    """Takes a row's accepted drafts and the target's own token after them, keeps their features for the
+    next draft and records the cycle (``record_cycle``, as the per-prompt loop does); returns how many
+    drafts were accepted, so the caller can mask the rest."""
     n = spec_decode.accepted_prefix(drafts, target)
     if feats is not None:
         row.feats.append(feats[:n + 1])
-    res = row.result
-    res.drafted.append(len(drafts))
-    res.budget.append(req.max_tokens)
-    res.anchors.append(req.last_position)
-    res.accepted.append(n)
-    for t in drafts[:n] + [int(target[n])]:
-        row.tokens.append(t)
-        res.tokens.append(t)
-        if t in eos:
-            break
-    res.tokens = res.tokens[:max_new_tokens]
+    spec_decode.record_cycle(row.result, req, drafts, n, target[n], row.tokens, eos)
     return n
 
 
@@ -183,13 +163,16 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
     rows, valid = _prefill(model, prompts, block_size, pad_id, cache, capture)
     while live := [r for r, row in enumerate(rows)
                    if len(row.result.tokens) < max_new_tokens and row.result.tokens[-1] not in eos]:
-        reqs = [_request(rows[r], block_size, max_new_tokens, dev) for r in live]
+        reqs = [spec_decode.draft_request(rows[r].tokens, rows[r].feats, len(rows[r].result.tokens), block_size,
+                                          max_new_tokens, dev) for r in live]
         drafts = _draft(drafter, reqs)
         block, pos, new_valid = _block(len(rows), live, reqs, drafts, pad_id, dev)
         valid = torch.cat([valid, new_valid], 1)
         logits, feats = _forward(model, block, pos, valid, cache, capture)
         target = logits.argmax(-1).tolist()
         for r, q, d in zip(live, reqs, drafts):
-            n = _accept(rows[r], q, d, target[r], feats[r] if feats is not None else None, eos, max_new_tokens)
+            n = _accept(rows[r], q, d, target[r], feats[r] if feats is not None else None, eos)
             valid[r, valid.shape[1] - block.shape[1] + n + 1:] = False  # the rejected drafts: never seen again
+    for row in rows:
+        row.result.tokens = row.result.tokens[:max_new_tokens]
     return [row.result for row in rows]

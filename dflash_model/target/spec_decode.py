@@ -210,18 +210,13 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
     tokens.append(last)
     res = DecodeResult(tokens=[last], block_size=block_size)
     while len(res.tokens) < max_new_tokens and last not in eos:
-        n_ctx = len(tokens) - 1  # verified tokens with known features (all but `last`)
-        remaining = max_new_tokens - len(res.tokens)
-        want = min(block_size - 1, remaining - 1)
-        features = torch.cat(ctx_feats) if ctx_feats else None
-        req = DraftRequest(features=features, positions=torch.arange(n_ctx, device=dev), tokens=tokens,
-                           last_token=last, last_position=n_ctx, max_tokens=want)
+        req = draft_request(tokens, ctx_feats, len(res.tokens), block_size, max_new_tokens, dev)
+        n_ctx, want = req.last_position, req.max_tokens
         drafts = [int(t) for t in list(drafter(req))[:want]] if want > 0 else []
         saved = spec_cache.snapshot(linear)
         logits, feats = _forward(model, [last] + drafts, n_ctx, cache, capture)
         target = logits.argmax(-1).tolist()  # target[i] = its token after block row i
         n = accepted_prefix(drafts, target)
-        new = drafts[:n] + [int(target[n])]
         if linear and n < len(drafts):
             # the linear layers have folded the rejected drafts in: rewind to before the block and
             # run the kept tokens again (that forward's features are the ones kept)
@@ -231,18 +226,37 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
         if feats is not None:
             ctx_feats.append(feats[:n + 1])  # rows of `last` and the accepted drafts
         spec_cache.crop(cache, n_ctx + n + 1)
-        res.drafted.append(len(drafts))
-        res.budget.append(want)
-        res.anchors.append(n_ctx)
-        res.accepted.append(n)
-        for t in new:
-            tokens.append(t)
-            res.tokens.append(t)
-            if t in eos:
-                break
+        record_cycle(res, req, drafts, n, target[n], tokens, eos)
         last = tokens[-1]
     res.tokens = res.tokens[:max_new_tokens]
     return res
+
+
+def draft_request(tokens: list[int], feats: list[torch.Tensor], produced: int, block_size: int,
+                  max_new_tokens: int, dev: torch.device) -> DraftRequest:
+    """What the drafter sees before a cycle: the features of the verified tokens (all of ``tokens``
+    but the last, which the target has not run yet), and as many drafts as are still useful (B-1,
+    fewer near ``max_new_tokens``; ``produced`` tokens are out so far)."""
+    n_ctx = len(tokens) - 1
+    return DraftRequest(features=torch.cat(feats) if feats else None, positions=torch.arange(n_ctx, device=dev),
+                        tokens=tokens, last_token=tokens[-1], last_position=n_ctx,
+                        max_tokens=min(block_size - 1, max_new_tokens - produced - 1))
+
+
+def record_cycle(res: DecodeResult, req: DraftRequest, drafts: list[int], n: int, target_next: int,
+                 tokens: list[int], eos: set[int]) -> None:
+    """Records a verified cycle in ``res`` and appends what it keeps to ``tokens`` and ``res.tokens``:
+    the ``n`` accepted drafts and the target's own token after them (so the output is the target's
+    greedy decode whatever was drafted), up to an end token."""
+    res.drafted.append(len(drafts))
+    res.budget.append(req.max_tokens)
+    res.anchors.append(req.last_position)
+    res.accepted.append(n)
+    for t in drafts[:n] + [int(target_next)]:
+        tokens.append(t)
+        res.tokens.append(t)
+        if t in eos:
+            break
 
 
 # --------------------------------------------------------------------------- drafters
