@@ -91,15 +91,16 @@ def _prefill(model: nn.Module, prompts: Sequence[Sequence[int]], block_size: int
     gives every query a real key, and each row's first token is read after its own last prompt token."""
     dev = next(model.parameters()).device
     R, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
+    ids = torch.full((R, P), pad_id, dtype=torch.long)  # built on the host, sent in one copy
     valid = torch.zeros((R, P), dtype=torch.bool)  # on the host; one copy per forward
     for r, p in enumerate(prompts):
-        ids[r, :len(p)] = torch.tensor(list(p), device=dev)
+        ids[r, :len(p)] = torch.tensor(list(p))
         valid[r, :len(p)] = True
-    logits, feats = _forward(model, ids, torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
+    logits, feats = _forward(model, ids.to(dev), torch.arange(P, device=dev).expand(R, P), valid, cache, capture)
+    lasts = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+    firsts = logits[torch.arange(R, device=dev), lasts].argmax(-1).tolist()  # one read-back for all rows
     rows = []
-    for r, p in enumerate(prompts):
-        first = int(logits[r, len(p) - 1].argmax())
+    for r, (p, first) in enumerate(zip(prompts, firsts)):
         rows.append(_Row(tokens=[int(t) for t in p] + [first],
                          feats=[feats[r, :len(p)]] if feats is not None else [],
                          result=DecodeResult(tokens=[first], block_size=block_size)))
