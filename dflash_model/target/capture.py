@@ -28,6 +28,11 @@ def embeddings_and_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
 
+def tied(embed: torch.Tensor, head: torch.Tensor) -> bool:
+    """Whether the target ties its LM head to its embedding: copies of the two must stay one tensor."""
+    return head is embed or head.data_ptr() == embed.data_ptr()
+
+
 def target_header(name: str, model: nn.Module, layer_ids: Sequence[int], tokenizer: Any) -> dict[str, Any]:
     """The first item of extract's stream: what the trainer needs of the target (its config, the
     layers read, the frozen embedding and LM head, the tokenizer's size and special ids)."""

@@ -188,11 +188,12 @@ def _time_target(extract_cfg: Any, tokens: int, rows: int, clock: _Clock, log: C
 def _header_on_cpu(header: dict[str, Any]) -> dict[str, Any]:
     """The target header with its embedding and LM head copied to the CPU (still one tensor when
     the target ties them), so that the target can be freed before the drafter is built."""
+    from dflash_model.target.capture import tied
+
     embed, head = header["embed_weight"], header["lm_head_weight"]
-    tied = head is embed or head.data_ptr() == embed.data_ptr()
     cpu_embed = embed.detach().to("cpu", copy=True)
     return dict(header, embed_weight=cpu_embed,
-                lm_head_weight=cpu_embed if tied else head.detach().to("cpu", copy=True))
+                lm_head_weight=cpu_embed if tied(embed, head) else head.detach().to("cpu", copy=True))
 
 
 def _time_drafter(train_cfg: Any, header: dict[str, Any], featured: dict[str, Any], tokens: int,

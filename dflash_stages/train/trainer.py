@@ -25,6 +25,7 @@ from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.optim import adamw, clipped_step
 from dflash_model.fast.settings import compile_wanted, peak_gib
+from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
 from dflash_stages.train.config import (TrainConfig, append_metrics, lr_at, metrics_path, now,
                                          truncate_metrics)
@@ -81,8 +82,7 @@ class Trainer:
         self.compiled, self.cache_url = tuned.compiled, tuned.cache_url
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
-        self.head = (self.embed if head is embed or head.data_ptr() == embed.data_ptr()
-                     else head.detach().to(self.device, self.dtype))
+        self.head = self.embed if tied(embed, head) else head.detach().to(self.device, self.dtype)
         self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel)
         if self.distributed:
             self._init_distributed()
