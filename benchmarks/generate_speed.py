@@ -1,15 +1,19 @@
 """Tokens per second of the generate stage's decode loop: batches one after another against one call
-that keeps its rows in flight (continuous batching), on real prompts.
+that keeps its rows in flight (continuous batching), with the target's attention implementations
+side by side, on real prompts.
 
     python benchmarks/generate_speed.py --model smollm2 --device cuda:0 \
-        --prompts pipelines/data/sharegpt/train.jsonl --num-prompts 2048 --batch-size 1024
+        --prompts pipelines/data/sharegpt/train.jsonl --num-prompts 2048 --batch-size 1024 \
+        --attention sdpa --attention sdpa_grouped
 
 The prompts are the first ``--num-prompts`` usable ones of the file, rendered with the chat template
 and sorted longest first, as the stage does. "batches" calls ``complete`` on each ``--batch-size``
 slice (finished rows leave the cache, none join: the tail of each batch runs with few rows);
-"in flight" is one call over all of them (finished rows are replaced by waiting prompts). Both
-decode greedily to ``--max-new-tokens``; the table gives seconds, tokens/s, the GPU's busy share
-(NVML) and whether the outputs are the same.
+"in flight" is one call over all of them (finished rows are replaced by waiting prompts). Each
+``--attention`` loads the target with that implementation (``sdpa``: K/V heads repeated for grouped
+queries; ``sdpa_grouped``: read as they are, dflash_model.target.decode_kv). All decode greedily to
+``--max-new-tokens``; the table gives seconds, tokens/s, the GPU's busy share (NVML) and how many
+outputs equal the first run's (bf16 near ties may part them).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ def main() -> None:
     ap.add_argument("--prompts", default="pipelines/data/sharegpt/train.jsonl")
     ap.add_argument("--num-prompts", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, action="append", help="rows in flight (repeatable); default 1024")
+    ap.add_argument("--attention", action="append", choices=("sdpa", "sdpa_grouped", "eager"),
+                    help="the target's attention (repeatable); default sdpa_grouped")
+    ap.add_argument("--mode", action="append", choices=("batches", "in-flight"),
+                    help="how the prompts are fed (repeatable); default both")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     args = ap.parse_args()
@@ -35,7 +43,8 @@ def main() -> None:
     from dflash_model.target.load import load_target
     from dflash_stages.generate.prompts import PromptError, eos_ids, read_records, record_messages, render_prompt
 
-    model, tok = load_target(args.model, device=args.device)
+    attentions = args.attention or ["sdpa_grouped"]
+    model, tok = load_target(args.model, device=args.device, attn_implementation=attentions[0])
     prompts: list[list[int]] = []
     for record in read_records(args.prompts):
         try:
@@ -66,21 +75,26 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         return seconds, out, busy.share
 
-    complete(model, prompts[-8:], batch_size=8, eos=eos, pad_id=pad, max_new_tokens=8)  # warm-up
-    rows = []
-    for batch in args.batch_size or [1024]:
-        first = None
-        for in_flight in (False, True):
-            seconds, out, busy = run(batch, in_flight)
-            tokens = sum(map(len, out))
-            same = "-" if first is None else f"{sum(a == b for a, b in zip(first, out))}/{len(out)}"
-            first = first or out
-            rows.append((batch, "in flight" if in_flight else "batches", seconds, tokens, busy, same))
-            print(f"batch {batch} {rows[-1][1]}: {seconds:.1f} s, {tokens / seconds:,.0f} tokens/s", flush=True)
-    print(f"\n{'batch':>6} {'mode':<10} {'s':>7} {'tokens':>9} {'tokens/s':>9} {'GPU busy':>8} {'same':>9}")
-    for batch, mode, seconds, tokens, busy, same in rows:
+    rows, first = [], None
+    for attention in attentions:
+        if attention != attentions[0]:
+            del model
+            model, _ = load_target(args.model, device=args.device, attn_implementation=attention)
+        complete(model, prompts[-8:], batch_size=8, eos=eos, pad_id=pad, max_new_tokens=8)  # warm-up
+        for batch in args.batch_size or [1024]:
+            for mode in args.mode or ["batches", "in-flight"]:
+                seconds, out, busy = run(batch, mode == "in-flight")
+                tokens = sum(map(len, out))
+                same = "-" if first is None else f"{sum(a == b for a, b in zip(first, out))}/{len(out)}"
+                first = first or out
+                rows.append((attention, batch, mode, seconds, tokens, busy, same))
+                print(f"{attention} batch {batch} {mode}: {seconds:.1f} s, {tokens / seconds:,.0f} tokens/s", flush=True)
+    print(f"\n{'attention':<13} {'batch':>6} {'mode':<10} {'s':>7} {'tokens':>9} {'tokens/s':>9} {'GPU busy':>8} "
+          f"{'same':>9}")
+    for attention, batch, mode, seconds, tokens, busy, same in rows:
         shown = f"{busy:.0%}" if busy is not None else "-"
-        print(f"{batch:>6} {mode:<10} {seconds:7.1f} {tokens:9d} {tokens / seconds:9,.0f} {shown:>8} {same:>9}")
+        print(f"{attention:<13} {batch:>6} {mode:<10} {seconds:7.1f} {tokens:9d} {tokens / seconds:9,.0f} {shown:>8} "
+              f"{same:>9}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ One decode step runs every row in flight through the target at once; on a small 
 costs about the same whatever the batch holds (launching each layer's kernels dominates), so the
 rows in flight set the tokens per second. HF ``generate`` keeps every row of a batch until its
 longest is done: finished rows ride along, and the batch's tail runs with few rows left. Here, on
-targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every layer):
+targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every layer, which becomes a
+:class:`~dflash_model.target.decode_kv.RoomyLayer`: a step writes its column in place):
 
 * finished rows leave the cache once they are a quarter of the rows in flight, and
 * their places are refilled from the prompts still waiting, so the batch stays full to the end
@@ -26,6 +27,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
+from dflash_model.target.decode_kv import RoomyLayer
 from dflash_model.target.spec_decode import forward_kwargs, new_cache
 
 DROP_SHARE = 0.25
@@ -66,11 +68,20 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
-def _plain_kv(cache: Any) -> bool:
-    """Whether every layer of ``cache`` is plain growing KV, which rows can leave and join."""
+def _decode_cache(model: Any) -> Any:
+    """A new cache for ``model``; where every layer is plain growing KV, each is a
+    :class:`~dflash_model.target.decode_kv.RoomyLayer` (the step's column written in place)."""
     from transformers.cache_utils import DynamicLayer
 
-    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    cache = new_cache(model)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [RoomyLayer() for _ in cache.layers]
+    return cache
+
+
+def _plain_kv(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is plain growing KV, which rows can leave and join."""
+    return bool(cache.layers) and all(isinstance(layer, RoomyLayer) for layer in cache.layers)
 
 
 def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -92,7 +103,7 @@ class _Flight:
         self._empty()
 
     def _empty(self) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = _decode_cache(self.model)
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.dev)
         self.pos = torch.zeros((0, 1), dtype=torch.long, device=self.dev)
         self.rows = torch.zeros(0, dtype=torch.long, device=self.dev)
@@ -121,15 +132,15 @@ class _Flight:
         ids, mask = (t.to(self.dev) for t in left_pad(prompts, self.pad_id))
         width = ids.shape[1]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        fresh = new_cache(self.model)
+        fresh = _decode_cache(self.model)
         logits = self._forward(fresh, ids, mask, pos, logits_to_keep=1)
         if len(self) == 0:
             self.cache, self.mask = fresh, mask
         else:  # side by side, the narrower left-padded: padded columns are masked, so zeros do
             grow_old, grow_new = max(0, width - self.mask.shape[1]), max(0, self.mask.shape[1] - width)
             for old, new in zip(self.cache.layers, fresh.layers, strict=True):
-                old.keys = torch.cat([_pad_left(old.keys, grow_old, 2), _pad_left(new.keys, grow_new, 2)])
-                old.values = torch.cat([_pad_left(old.values, grow_old, 2), _pad_left(new.values, grow_new, 2)])
+                old.adopt(torch.cat([_pad_left(old.keys, grow_old, 2), _pad_left(new.keys, grow_new, 2)]),
+                          torch.cat([_pad_left(old.values, grow_old, 2), _pad_left(new.values, grow_new, 2)]))
             self.mask = torch.cat([_pad_left(self.mask, grow_old, 1), _pad_left(mask, grow_new, 1)])
         self.pos = torch.cat([self.pos, pos[:, -1:]])
         self.rows = torch.cat([self.rows, torch.tensor(list(rows), dtype=torch.long, device=self.dev)])
@@ -137,17 +148,16 @@ class _Flight:
         return logits
 
     def keep(self, keep: torch.Tensor) -> None:
-        """Only the rows ``keep`` stay; columns that are padding in all of them are cut off."""
+        """Only the rows ``keep`` stay (all of them leave, on caches other than plain KV); columns
+        that are padding in all of them are cut off."""
         if len(keep) == 0:
             self._empty()
             return
-        self.cache.batch_select_indices(keep)
         self.mask, self.pos, self.rows, self.made = self.mask[keep], self.pos[keep], self.rows[keep], self.made[keep]
         first = int(self.mask.any(0).nonzero()[0])
-        if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.adopt(layer.keys[keep, :, first:], layer.values[keep, :, first:])
+        self.mask = self.mask[:, first:]
 
 
 @torch.no_grad()

@@ -103,17 +103,21 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
 
     The model is frozen, in eval mode, on ``device``. ``attn_implementation``: any HF name, or
     ``packed_flex`` (registered here first; see ``dflash_model.target.packed_attention``), or ``auto``
-    (packed_flex on CUDA, sdpa elsewhere).
+    (packed_flex on CUDA, sdpa elsewhere), or ``sdpa_grouped`` (``dflash_model.target.decode_kv``).
     """
     from dflash_model.target import linear_attention, packed_attention
 
     linear_attention.bind_fla()  # before transformers imports a hybrid model's module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash_model.target import decode_kv
+
     if attn_implementation == "auto":
         attn_implementation = packed_attention.resolve_attn_implementation("auto", device)
     if attn_implementation == packed_attention.NAME:
         packed_attention.register()
+    if attn_implementation == decode_kv.NAME:
+        decode_kv.register()
     torch_dtype = resolve_dtype(dtype, device)
     if model.startswith(RANDOM_PREFIX):
         lm, tok = random_target(model, device, torch_dtype, attn_implementation)

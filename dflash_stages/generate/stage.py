@@ -70,6 +70,9 @@ class GenerateConfig:
     """Use the first N usable prompts only."""
     dtype: str = "auto"
     """Target dtype: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32."""
+    attention: str = "sdpa_grouped"
+    """The target's attention: ``sdpa_grouped`` (SDPA; a decode step reads the grouped K/V heads as
+    they are, :mod:`dflash_model.target.decode_kv`) or any transformers name (``sdpa``, ``eager``)."""
 
     def __post_init__(self) -> None:
         if min(self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.shard_records) < 1:
@@ -113,7 +116,7 @@ class HFGenerate(Stage):
         cfg: GenerateConfig = self.config
         items = file_items(inputs["files"])
         device = ctx.device or "cpu"
-        model, tok = load_target(cfg.model, device=device, dtype=cfg.dtype)
+        model, tok = load_target(cfg.model, device=device, dtype=cfg.dtype, attn_implementation=cfg.attention)
         skipped: dict[str, int] = {}
         with open(os.path.join(ctx.work_dir, "skipped.jsonl"), "w", encoding="utf-8") as skip_file:
             prompts = sorted(self._prompts(items, tok, cfg, skipped, skip_file), key=lambda p: -len(p.ids))

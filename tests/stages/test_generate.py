@@ -160,8 +160,6 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     decode, cut at its first end token."""
     import random
 
-    import transformers
-
     from dflash_model.target.spec_decode import greedy_decode
     from tests.stages.test_evaluate import tiny_qwen3
     from tests.stages.test_evaluate_hybrid import tiny_qwen3_5
@@ -174,17 +172,17 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     refs = [greedy_decode(model, p, 12, eos) for p in prompts]
     assert sum(len(r) < 12 for r in refs) >= 3
 
-    selected: list[int] = []
-    real = transformers.DynamicCache.batch_select_indices
-    monkeypatch.setattr(transformers.DynamicCache, "batch_select_indices",
-                        lambda self, idx: (selected.append(len(idx)), real(self, idx))[1])
+    selected: list[int] = []  # rows the first layer's cache keeps, each time rows leave
+    real = generate_batch._Flight.keep
+    monkeypatch.setattr(generate_batch._Flight, "keep", lambda self, keep: (
+        real(self, keep), selected.append(self.cache.layers[0].keys.shape[0] if len(keep) else 0))[0])
     out = generate_batch.complete(model, prompts, batch_size=8, max_new_tokens=12, eos=sorted(eos), pad_id=0)
     assert [c.ids for c in out] == refs
     assert [c.finish for c in out] == ["stop" if r[-1] in eos else "length" for r in refs]
     if kind == "dense":
-        assert selected and all(n < len(prompts) for n in selected)
+        assert selected[:-1] and all(0 < n < len(prompts) for n in selected[:-1]) and selected[-1] == 0
     else:
-        assert selected == []
+        assert selected == [0]  # all at once, when the last row is done
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
