@@ -14,9 +14,12 @@ def test_a_fraction_of_the_records_follows_the_prompt_files_not_the_shards(tmp_p
     paths = []
     for k, shard in enumerate(shards):
         path = tmp_path / f"shard-{k:05d}.jsonl"
-        path.write_text("".join(json.dumps({"source": s, "line": n}) + "\n" for s, n in shard))
+        # as generate writes them (ensure_ascii=False): a text may hold U+2028, which is no line end
+        path.write_text("".join(json.dumps({"source": s, "line": n, "text": f"{n}\u2028next"}, ensure_ascii=False)
+                                + "\n" for s, n in shard), encoding="utf-8")
         paths.append(str(path))
     out = tmp_path / "records.jsonl"
     assert write_records(paths, 0.6, out) == 3
-    kept = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [(r["source"], r["line"]) for r in kept] == [("a.jsonl", 1), ("a.jsonl", 9), ("a.jsonl", 10)]
+    kept = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x]
+    assert [(r["source"], r["line"], r["text"]) for r in kept] == [
+        ("a.jsonl", 1, "1\u2028next"), ("a.jsonl", 9, "9\u2028next"), ("a.jsonl", 10, "10\u2028next")]
