@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -163,10 +163,10 @@ class _Flight:
 @torch.no_grad()
 def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
              eos: Sequence[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0) -> list[Completion]:
+             seed: int = 0, progress: Callable[[int, int], None] | None = None) -> list[Completion]:
     """The completion of each prompt (greedy when ``temperature`` is 0), at most ``batch_size`` rows
     in flight. Rows join in the order given: the caller sorts by length, so that rows side by side
-    need little padding."""
+    need little padding. ``progress(rows, tokens)`` is told each time finished rows leave."""
     if not prompts:
         return []
     flight = _Flight(model, pad_id)
@@ -188,6 +188,8 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
         finished = int(done.sum())  # the one host sync of a step
         if finished == len(done) or (refill and finished >= DROP_SHARE * len(done)):
             keep = (~done).nonzero().squeeze(1)
+            if progress is not None:
+                progress(finished, int(flight.made[done].sum()))
             flight.keep(keep)
             tok, done = tok[keep], done[keep]
         logits = flight.step(tok) if len(flight) else None

@@ -31,7 +31,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from dflash_core.stage import Stage, StageContext
 from dflash_stages.generate.prompts import PromptError, record_messages, render_prompt
@@ -108,6 +108,7 @@ class HFGenerate(Stage):
     def run(self, inputs: Mapping[str, Any], ctx: StageContext) -> Iterator[dict]:
         import torch
 
+        from dflash_model.fast.settings import peak_gib
         from dflash_model.target.generate import GpuBusy
         from dflash_model.target.load import load_target
         from dflash_stages.generate.prompts import eos_ids
@@ -137,13 +138,15 @@ class HFGenerate(Stage):
                 return
             path = os.path.join(shard_dir, f"shard-{k // S:05d}.jsonl")
             shard = prompts[k:k + S]
-            if os.path.exists(path):
+            resumed = os.path.exists(path)
+            if resumed:
                 stats["resumed_shards"] += 1
                 records = [json.loads(x) for x in open(path, encoding="utf-8")]
             else:
                 t0 = time.perf_counter()
                 with GpuBusy(torch.device(device)) as busy:
-                    records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok)
+                    records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok, lambda rows, tokens:
+                                                   ctx.progress(rows, total=len(prompts), unit="prompts", tokens=tokens))
                 stats["generate_s"] += time.perf_counter() - t0
                 busy_samples += busy.samples
                 _write_atomic(path, records)
@@ -157,10 +160,14 @@ class HFGenerate(Stage):
             if busy_samples:
                 stats["gpu_busy"] = round(sum(busy_samples) / len(busy_samples) / 100, 3)
             ctx.summary.update(stats)
-            ctx.progress(len(shard), total=len(prompts), unit="prompts",
-                         tokens=sum(r["tokens"] for r in records))
+            if resumed:  # a generated shard told its progress as its rows finished
+                ctx.progress(len(shard), total=len(prompts), unit="prompts")
             yield {"path": path, "source": f"generate/{os.path.basename(path)}", "records": len(records),
                    "size": os.path.getsize(path)}
+        if torch.device(device).type == "cuda":
+            ctx.summary["peak_gib"] = peak_gib(device)
+            del model  # the stages after generate (extract, train) report their own peaks, not this one
+            torch.cuda.reset_peak_memory_stats(device)
         if not prompts:
             raise ValueError(f"generate: no usable prompt in {len(items)} file(s); skipped {skipped} "
                              f"(see {os.path.join(ctx.work_dir, 'skipped.jsonl')})")
@@ -196,13 +203,13 @@ class HFGenerate(Stage):
 
     @staticmethod
     def _generate_shard(model: Any, shard: list[_Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
-                        shard_no: int, tok: Any) -> list[dict]:
+                        shard_no: int, tok: Any, progress: Callable[[int, int], None]) -> list[dict]:
         """Records of one shard (sorted by prompt length), in order, ``batch_size`` rows in flight."""
         from dflash_model.target.generate import complete
 
         done = complete(model, [p.ids for p in shard], batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
                         eos=eos, pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p,
-                        seed=cfg.seed * 1_000_003 + shard_no)
+                        seed=cfg.seed * 1_000_003 + shard_no, progress=progress)
         out = []
         for p, c in zip(shard, done):
             text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)

@@ -19,12 +19,14 @@ from dflash_stages.generate.stage import GenerateConfig, HFGenerate
 from tests.stages.online_fixtures import tiny_target
 
 
-def run_generate(tmp_path: Path, files: list[Path], name: str = "gen", **params: Any
-                 ) -> tuple[list[dict], StageContext, list[dict]]:
-    """Run the stage; returns (items, ctx, records of all shards in order)."""
+def run_generate(tmp_path: Path, files: list[Path], name: str = "gen", events: list[dict] | None = None,
+                 **params: Any) -> tuple[list[dict], StageContext, list[dict]]:
+    """Run the stage; returns (items, ctx, records of all shards in order); ``events`` collects what
+    it emits."""
     cfg = GenerateConfig(**params)
     ctx = StageContext(stage="generate", config=cfg, work_dir=str(tmp_path / name / "work"),
-                       cache_dir=str(tmp_path / name / "cache"))
+                       cache_dir=str(tmp_path / name / "cache"),
+                       emitter=None if events is None else lambda stage, event: events.append(event))
     Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
     items = list(HFGenerate(cfg).run({"files": iter({"path": str(f), "source": f.name} for f in files)}, ctx))
     records = [json.loads(x) for it in items for x in Path(it["path"]).read_text().splitlines()]
@@ -116,10 +118,15 @@ def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Pa
 
     calls.clear()
     monkeypatch.setattr(generate_batch, "complete", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    _, ctx, resumed = run_generate(tmp_path, [src], "resumed", **params)
+    events: list[dict] = []
+    _, ctx, resumed = run_generate(tmp_path, [src], "resumed", events, **params)
     assert len(calls) == 2  # shards 1 and 2 only
     assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3
     assert resumed == whole
+    # progress: each prompt once (as its row finished, or with its resumed shard), generated tokens once
+    progress = [e for e in events if e["type"] == "progress"]
+    assert sum(e["advance"] for e in progress) == 5
+    assert sum(e.get("tokens", 0) for e in progress) == sum(r["tokens"] for r in resumed[2:])
 
     # another seed samples other completions (the seed is used), the same seed the same ones
     _, _, other = run_generate(tmp_path, [src], "other", **{**params, "seed": 8})
@@ -176,8 +183,12 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     real = generate_batch._Flight.keep
     monkeypatch.setattr(generate_batch._Flight, "keep", lambda self, keep: (
         real(self, keep), selected.append(self.cache.layers[0].keys.shape[0] if len(keep) else 0))[0])
-    out = generate_batch.complete(model, prompts, batch_size=8, max_new_tokens=12, eos=sorted(eos), pad_id=0)
+    told: list[tuple[int, int]] = []
+    out = generate_batch.complete(model, prompts, batch_size=8, max_new_tokens=12, eos=sorted(eos), pad_id=0,
+                                  progress=lambda rows, tokens: told.append((rows, tokens)))
     assert [c.ids for c in out] == refs
+    assert len(told) == len(selected) and sum(r for r, _ in told) == len(prompts)  # told as rows left
+    assert sum(t for _, t in told) == sum(len(c.ids) for c in out)
     assert [c.finish for c in out] == ["stop" if r[-1] in eos else "length" for r in refs]
     if kind == "dense":
         assert selected[:-1] and all(0 < n < len(prompts) for n in selected[:-1]) and selected[-1] == 0
