@@ -76,8 +76,8 @@ def main() -> None:
         return seconds, out, busy.share
 
     rows, first = [], None
-    for attention in attentions:
-        if attention != attentions[0]:
+    for i, attention in enumerate(attentions):
+        if i:
             del model
             model, _ = load_target(args.model, device=args.device, attn_implementation=attention)
         complete(model, prompts[-8:], batch_size=8, eos=eos, pad_id=pad, max_new_tokens=8)  # warm-up

@@ -46,8 +46,8 @@ def parse_point(text: str) -> tuple[str, dict[str, str]]:
 def write_records(paths: list[str], fraction: float, out: Path) -> int:
     """The first ``fraction`` of the records in prompt-file order (``source``, ``line``): shards are
     cut from the length-sorted prompts, so their own order would keep the longest ones."""
-    lines = [ln for p in paths for ln in Path(p).read_text(encoding="utf-8").split("\n") if ln.strip()]  # not
-    # splitlines: it also cuts at U+2028 and the like, which JSON strings may hold
+    # split at "\n" only: splitlines also cuts at U+2028 and the like, which a completion's text may hold
+    lines = [ln for p in paths for ln in Path(p).read_text(encoding="utf-8").split("\n") if ln.strip()]
     lines.sort(key=_file_order)
     keep = lines[:max(1, round(len(lines) * fraction))]
     out.write_text("\n".join(keep) + "\n", encoding="utf-8")

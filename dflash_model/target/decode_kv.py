@@ -12,8 +12,9 @@ copies of the cache, not attention. Stock transformers (5.17, the H200's) does t
 Here, a step with one query token folds the query heads of a group into SDPA's query-length axis,
 so each group attends to its own K/V head as it lies in the cache (:func:`grouped_sdpa`; the
 padding mask has one query row and broadcasts over the group), and :class:`RoomyLayer` keeps the
-cache in buffers with room to grow, so the new column is written in place. Both are exact: the
-same products and sums as the stock path.
+cache in buffers with room to grow, so the new column is written in place. Both compute what the
+stock path computes (the same maths; bf16 kernels may round differently). transformers 5.24 folds
+the query heads in its own SDPA path already; there ``sdpa_grouped`` changes nothing but the cache.
 
 How it reaches the model: :func:`register` adds ``sdpa_grouped`` to transformers' attention and
 mask interfaces (its masks are SDPA's); ``load_target(..., attn_implementation="sdpa_grouped")``
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "sdpa_grouped"
 """The attention implementation name, for ``attn_implementation=`` (after :func:`register`)."""
@@ -41,19 +43,18 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers attention function: q [B, heads, T, d], k/v [B, kv_heads, S, d] ->
     ([B, T, heads, d], None). With T = 1 and grouped heads, query head ``h`` reads K/V head
     ``h // group`` (transformers' ``repeat_kv`` order) without the K/V being repeated; anything
-    else is stock SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    else (a per-head mask, a position bias, softcapping, attention sinks) is stock SDPA."""
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
-    if q_len != 1 or heads == kv_heads or per_head_mask or kwargs.get("position_bias") is not None:
+    extras = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
+    if q_len != 1 or heads == kv_heads or per_head_mask or extras:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # the group's heads as query tokens
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling)
-    return out.reshape(rows, 1, heads, dim), None
+    return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
 def register() -> None:
@@ -97,6 +98,7 @@ class RoomyLayer(DynamicLayer):
         """Hold a copy of ``keys``/``values`` [rows, kv_heads, columns, d] in new buffers with
         ``room`` (default :data:`ROOM`) spare columns; the old buffers are let go first."""
         self._kbuf = self._vbuf = self._kview = self.keys = self.values = None
+        self.is_initialized, self.dtype, self.device = True, keys.dtype, keys.device
         room = ROOM if room is None else room
         held = keys.shape[-2]
         self._kbuf = keys.new_empty((*keys.shape[:2], held + room, keys.shape[-1]))
@@ -104,3 +106,7 @@ class RoomyLayer(DynamicLayer):
         self._kbuf[:, :, :held], self._vbuf[:, :, :held] = keys, values
         self._kview = self._kbuf[:, :, :held]
         self.keys, self.values = self._kview, self._vbuf[:, :, :held]
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = self._kview = None  # let the buffers go with the views
+        super().reset()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from dflash_model.target.decode_kv import RoomyLayer
 from dflash_model.target.spec_decode import forward_kwargs, new_cache
@@ -71,8 +72,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 def _decode_cache(model: Any) -> Any:
     """A new cache for ``model``; where every layer is plain growing KV, each is a
     :class:`~dflash_model.target.decode_kv.RoomyLayer` (the step's column written in place)."""
-    from transformers.cache_utils import DynamicLayer
-
     cache = new_cache(model)
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [RoomyLayer() for _ in cache.layers]

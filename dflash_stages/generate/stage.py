@@ -132,6 +132,10 @@ class HFGenerate(Stage):
         ctx.logger.info("generate: %d prompts (%d skipped) -> %s", len(prompts), sum(skipped.values()), shard_dir)
         ctx.progress(0, total=len(prompts), unit="prompts")
         busy_samples: list[int] = []
+
+        def told(rows: int, tokens: int) -> None:  # rows of the shard being generated have finished
+            ctx.progress(rows, total=len(prompts), unit="prompts", tokens=tokens)
+
         S = cfg.shard_records
         for k in range(0, len(prompts), S):
             if ctx.should_stop():
@@ -145,8 +149,7 @@ class HFGenerate(Stage):
             else:
                 t0 = time.perf_counter()
                 with GpuBusy(torch.device(device)) as busy:
-                    records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok, lambda rows, tokens:
-                                                   ctx.progress(rows, total=len(prompts), unit="prompts", tokens=tokens))
+                    records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok, told)
                 stats["generate_s"] += time.perf_counter() - t0
                 busy_samples += busy.samples
                 _write_atomic(path, records)
@@ -160,13 +163,14 @@ class HFGenerate(Stage):
             if busy_samples:
                 stats["gpu_busy"] = round(sum(busy_samples) / len(busy_samples) / 100, 3)
             ctx.summary.update(stats)
-            if resumed:  # a generated shard told its progress as its rows finished
-                ctx.progress(len(shard), total=len(prompts), unit="prompts")
+            if resumed:  # in the position, not the rate (a generated shard told its rows as they finished)
+                ctx.progress(0, total=len(prompts), unit="prompts", start=k + len(shard))
             yield {"path": path, "source": f"generate/{os.path.basename(path)}", "records": len(records),
                    "size": os.path.getsize(path)}
+        ctx.summary["peak_gib"] = peak_gib(device)
         if torch.device(device).type == "cuda":
-            ctx.summary["peak_gib"] = peak_gib(device)
-            del model  # the stages after generate (extract, train) report their own peaks, not this one
+            # the peak the stages after generate report (extract and train, side by side) is theirs
+            del model
             torch.cuda.reset_peak_memory_stats(device)
         if not prompts:
             raise ValueError(f"generate: no usable prompt in {len(items)} file(s); skipped {skipped} "

@@ -123,10 +123,13 @@ def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Pa
     assert len(calls) == 2  # shards 1 and 2 only
     assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3
     assert resumed == whole
-    # progress: each prompt once (as its row finished, or with its resumed shard), generated tokens once
-    progress = [e for e in events if e["type"] == "progress"]
-    assert sum(e["advance"] for e in progress) == 5
-    assert sum(e.get("tokens", 0) for e in progress) == sum(r["tokens"] for r in resumed[2:])
+    # progress: the resumed shard moves the position, each generated prompt advances it as its row
+    # finishes, and only generated tokens are counted
+    position = 0
+    for e in (e for e in events if e["type"] == "progress"):
+        position = e.get("start", position) + e["advance"]
+    assert position == 5
+    assert sum(e.get("tokens", 0) for e in events if e["type"] == "progress") == sum(r["tokens"] for r in resumed[2:])
 
     # another seed samples other completions (the seed is used), the same seed the same ones
     _, _, other = run_generate(tmp_path, [src], "other", **{**params, "seed": 8})
@@ -164,8 +167,10 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that stop early are dropped from a dense target's cache; a hybrid's linear state has no
     row selection, so there they ride along masked. Either way each row is its prompt's own greedy
-    decode, cut at its first end token."""
+    decode, cut at its first end token (with a cache buffer that runs out of room every step)."""
     import random
+
+    from dflash_model.target import decode_kv
 
     from dflash_model.target.spec_decode import greedy_decode
     from tests.stages.test_evaluate import tiny_qwen3
@@ -183,6 +188,7 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     real = generate_batch._Flight.keep
     monkeypatch.setattr(generate_batch._Flight, "keep", lambda self, keep: (
         real(self, keep), selected.append(self.cache.layers[0].keys.shape[0] if len(keep) else 0))[0])
+    monkeypatch.setattr(decode_kv, "ROOM", 0)
     told: list[tuple[int, int]] = []
     out = generate_batch.complete(model, prompts, batch_size=8, max_new_tokens=12, eos=sorted(eos), pad_id=0,
                                   progress=lambda rows, tokens: told.append((rows, tokens)))
