@@ -171,7 +171,6 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
     import random
 
     from dflash_model.target import decode_kv
-
     from dflash_model.target.spec_decode import greedy_decode
     from tests.stages.test_evaluate import tiny_qwen3
     from tests.stages.test_evaluate_hybrid import tiny_qwen3_5
