@@ -1,10 +1,11 @@
 """SIGINT/SIGTERM during ``dflash-pipe run``: the first asks the run to save and stop, the
-second aborts.
+second aborts. Outside a run (loading plugins, the other commands) a signal ends the command at
+once, with its message and exit status.
 
 Schedulers send SIGTERM some time before they kill a preempted job, and a user's Ctrl-C is
 seldom meant to lose the steps since the last checkpoint: the handler only records the signal
 (the runner polls it, so nothing heavy runs inside a signal handler). A second signal raises
-KeyboardInterrupt, for a user who will not wait for the save.
+KeyboardInterrupt (:class:`Stopped`), for a user who will not wait for the save.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -22,22 +23,46 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
-@contextmanager
-def graceful_signals(on_first: Callable[[int], None]) -> Iterator[None]:
+class Stopped(KeyboardInterrupt):
+    """A SIGINT/SIGTERM that ends the command at once; ``signum`` gives its exit status."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> ContextManager[None]:
+    """While inside, SIGINT and SIGTERM raise :class:`Stopped`: a command ends with its message and
+    128 + the signal, where SIGTERM's default action would kill it without a word."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    return _handling(handler)
+
+
+def graceful_signals(on_first: Callable[[int], None]) -> ContextManager[None]:
     """While inside, the first SIGINT/SIGTERM calls ``on_first(signum)``, any later one raises
-    KeyboardInterrupt; the previous handlers come back on exit. Signal handlers can only be
-    set from the main thread: elsewhere (a run started in a worker thread) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    :class:`Stopped`."""
     seen: list[int] = []
 
     def handler(signum: int, frame: object) -> None:
         seen.append(signum)
         if len(seen) > 1:
-            raise KeyboardInterrupt
+            raise Stopped(signum)
         on_first(signum)
 
+    return _handling(handler)
+
+
+@contextmanager
+def _handling(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """``handler`` for SIGINT and SIGTERM while inside; the previous handlers come back on exit.
+    Signal handlers can only be set from the main thread: elsewhere (a run started in a worker
+    thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
     try:
         yield

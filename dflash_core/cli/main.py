@@ -8,15 +8,19 @@ SIGINT / SIGTERM.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import signal
 import sys
+import threading
 import traceback
+from typing import NoReturn
 
 from dflash_core import __version__
-from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, err_console, plugin_manager,
-                                    setup_logging)
-from dflash_core.interrupts import exit_code
+from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, err_console,
+                                    plugin_manager, setup_logging)
+from dflash_core.interrupts import exit_code, stop_on_signals
 
 COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status"]
 
@@ -46,6 +50,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status; SIGINT / SIGTERM end any command with the
+    signal's name and 128 + the signal (``run`` first lets training save: ``cli/run.py``)."""
+    try:
+        with stop_on_signals():
+            return _command(argv)
+    except KeyboardInterrupt as exc:  # Stopped, or a Ctrl-C that came before our handler
+        signum = getattr(exc, "signum", signal.SIGINT)
+        err_console.print(f"{signal.Signals(signum).name}: interrupted")
+        return exit_code(signum)
+
+
+def _command(argv: list[str] | None) -> int:
     from dflash_core.errors import PipelineFileError
     from dflash_core.plugins import PluginError
     from dflash_core.runner import Refused, RunFailed
@@ -74,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             err_console.print(exc.tb, markup=False)
         err_console.print(f"error: {exc}", markup=False, soft_wrap=True)  # paths stay whole
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return exit_code(signal.SIGINT)
     except Exception as exc:  # a bug or an environment problem: one line unless asked
         if args.traceback:
             traceback.print_exc()
@@ -84,5 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+def entry() -> NoReturn:
+    """The ``dflash-pipe`` program (console script, ``python -m dflash_core.cli.main``): :func:`main`,
+    then :func:`exit_process`. Tests call :func:`main` in their own process instead."""
+    exit_process(main())
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``, also when a stopped or failed run left stage threads running.
+
+    Threads cannot be killed: one inside a long torch call (a target forward, a decode) when a
+    signal stopped the run is still there at exit, and the interpreter's shutdown ends such a
+    thread from inside that native call, which aborts the process (``terminate called without an
+    active exception``, SIGABRT) instead of exiting with ``code``. Then the exit handlers run (a
+    plugin's, logging's) and the process ends without that shutdown."""
+    if code == EXIT_OK or not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -63,8 +63,8 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
             results = runner.run()
     except Interrupted as exc:
         stopped = exc
-    except KeyboardInterrupt:  # the second signal came outside the runner's loop
-        stopped = Interrupted(runner.interrupt_signal or signal.SIGINT, True, {}, [])
+    except KeyboardInterrupt as exc:  # the second signal came outside the runner's loop
+        stopped = Interrupted(runner.interrupt_signal or getattr(exc, "signum", signal.SIGINT), True, {}, [])
     finally:
         display.close()
     if stopped is not None:

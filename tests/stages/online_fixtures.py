@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -65,12 +66,12 @@ def tiny_target(root: Path, layers: int = 4, hidden: int = 64, seed: int = 0,
 
 def online_pipeline(run_dir: Path | str, target: Path | str, *, pack: dict[str, Any],
                     train: dict[str, Any], checkpoint: dict[str, Any] | None = None,
-                    layers: tuple[int, ...] = (0, 1, 2), extra: str = "") -> str:
-    """YAML of pack:synthetic -> extract:hf_hooks -> train:dflash [-> checkpoint:fsspec]."""
+                    layers: tuple[int, ...] = (0, 1, 2), extra: str = "", rows: str = "synthetic") -> str:
+    """YAML of pack:synthetic (or pack:``rows``) -> extract:hf_hooks -> train:dflash [-> checkpoint:fsspec]."""
     import json
 
     text = (f"version: 1\nrun_dir: {run_dir}\nstages:\n"
-            f"  pack: {{uses: 'pack:synthetic', params: {json.dumps(pack)}}}\n"
+            f"  pack: {{uses: 'pack:{rows}', params: {json.dumps(pack)}}}\n"
             f"  extract: {{uses: 'extract:hf_hooks', after: pack, params: "
             f"{{model: '{target}', layers: {list(layers)}}}}}\n"
             f"  train: {{uses: 'train:dflash', after: extract, params: {json.dumps(train)}}}\n")
@@ -121,6 +122,27 @@ class SyntheticRows(Stage):
                    "rows_per_epoch": per_rank // cfg.epochs, "epochs": cfg.epochs}
 
 
+@dataclass
+class HeldRowsConfig(SyntheticRowsConfig):
+    until: str = "interrupt"
+    """What releases the rows: the run's ``interrupt`` (SIGINT/SIGTERM), or only its ``stop``."""
+
+
+class HeldRows(SyntheticRows):
+    """:class:`SyntheticRows` held back until the run is interrupted (or stopped), so that a test
+    can signal a run whose trainer has not stepped yet. Writes ``<run_dir>/held`` once holding."""
+
+    name = "held"
+    Config = HeldRowsConfig
+
+    def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
+        Path(ctx.run_dir, "held").touch()
+        release = ctx.interrupted if self.config.until == "interrupt" else ctx.should_stop
+        while not release():
+            time.sleep(0.01)
+        yield from super().run(inputs, ctx)
+
+
 def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
     cuts = sorted(rng.choice(np.arange(12, total - 12), size=parts - 1, replace=False).tolist())
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
@@ -155,4 +177,5 @@ class RankStates(Stage):
 @hookimpl
 def dflash_pipe_register_stages(registry: Any) -> None:
     registry.add(SyntheticRows)
+    registry.add(HeldRows)
     registry.add(RankStates)
