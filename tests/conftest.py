@@ -3,7 +3,9 @@
 The CLI is driven two ways: ``cli`` calls ``dflash_core.cli.main.main`` in this process
 (fast; output captured), ``cli_subprocess`` runs ``python -m dflash_core.cli.main`` (or the
 ``dflash-pipe`` console script) in a fresh interpreter, which is what a user gets and what
-entry-point discovery through ``PYTHONPATH`` needs.
+entry-point discovery through ``PYTHONPATH`` needs. Both load the built-in plugin and those the
+test names (``-p``), not the entry points installed in the environment (a plugin author runs this
+suite beside their own plugin); a test of entry-point discovery asks for them (``autoload``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch
+
+from dflash_core.plugins import AUTOLOAD_ENV
 
 if not torch.cuda.is_available():
     # Triton kernels (dflash_model/fast/adamw_triton.py, loss_triton.py) are tested through Triton's interpreter
@@ -66,10 +70,12 @@ def write_pipeline(tmp_path: Path) -> Callable[..., Path]:
 
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CLIResult]:
-    """Run the CLI in this process: ``cli("run", "-p", STAGES, path)`` -> CLIResult."""
+    """Run the CLI in this process: ``cli("run", "-p", STAGES, path)`` -> CLIResult. Entry points
+    are not loaded (a test that wants them deletes ``AUTOLOAD_ENV``)."""
     from dflash_core.cli.main import main
 
     monkeypatch.setenv("COLUMNS", WIDE)
+    monkeypatch.setenv(AUTOLOAD_ENV, "1")
 
     def run(*argv: Any) -> CLIResult:
         capsys.readouterr()
@@ -80,10 +86,13 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
     return run
 
 
-def cli_env(pythonpath: Sequence[os.PathLike[str] | str] = (), **extra: str | None) -> dict[str, str]:
-    """This environment for a CLI subprocess; ``extra`` sets variables (None removes one)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DFLASH_PIPE_DISABLE_PLUGIN_AUTOLOAD", "PYTHONPATH")}
+def cli_env(pythonpath: Sequence[os.PathLike[str] | str] = (), autoload: bool = False,
+            **extra: str | None) -> dict[str, str]:
+    """This environment for a CLI subprocess: ``pythonpath`` and the repository on PYTHONPATH, entry
+    points loaded only with ``autoload``; ``extra`` sets variables (None removes one)."""
+    env = {k: v for k, v in os.environ.items() if k not in (AUTOLOAD_ENV, "PYTHONPATH")}
+    if not autoload:
+        env[AUTOLOAD_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO)])
     env["COLUMNS"] = WIDE
     for key, value in extra.items():
@@ -96,15 +105,15 @@ def cli_env(pythonpath: Sequence[os.PathLike[str] | str] = (), **extra: str | No
 
 @pytest.fixture
 def cli_subprocess() -> Callable[..., CLIResult]:
-    """``cli_subprocess(*argv, pythonpath=(), env=None, script=False, timeout=120)``."""
+    """``cli_subprocess(*argv, pythonpath=(), autoload=False, env=None, script=False, timeout=120)``."""
 
-    def run(*argv: Any, pythonpath: Sequence[Any] = (), env: dict[str, str | None] | None = None,
-            script: bool = False, timeout: float = 120) -> CLIResult:
+    def run(*argv: Any, pythonpath: Sequence[Any] = (), autoload: bool = False,
+            env: dict[str, str | None] | None = None, script: bool = False, timeout: float = 120) -> CLIResult:
         cmd = ([str(Path(sys.executable).with_name("dflash-pipe"))] if script
                else [sys.executable, "-m", "dflash_core.cli.main"])
         proc = subprocess.run(cmd + [str(a) for a in argv], cwd=REPO, capture_output=True,
                               text=True, timeout=timeout,
-                              env=cli_env(pythonpath, **(env or {})))
+                              env=cli_env(pythonpath, autoload, **(env or {})))
         return CLIResult(proc.returncode, proc.stdout, proc.stderr)
 
     return run
@@ -130,15 +139,15 @@ print("RESULTS " + json.dumps(results))
 def cli_batch() -> Callable[..., list[CLIResult]]:
     """Several CLI invocations in ONE fresh interpreter (``main(argv)`` each, output captured
     per call): what a user's shell would see, without paying interpreter start-up each time.
-    ``cli_batch([argv, ...], pythonpath=(), env=None)`` -> [CLIResult, ...]."""
+    ``cli_batch([argv, ...], pythonpath=(), autoload=False, env=None)`` -> [CLIResult, ...]."""
     import json
 
-    def run(calls: Sequence[Sequence[Any]], pythonpath: Sequence[Any] = (),
+    def run(calls: Sequence[Sequence[Any]], pythonpath: Sequence[Any] = (), autoload: bool = False,
             env: dict[str, str | None] | None = None, timeout: float = 120) -> list[CLIResult]:
         argvs = [[str(a) for a in argv] for argv in calls]
         proc = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(argvs)], cwd=REPO,
                               capture_output=True, text=True, timeout=timeout,
-                              env=cli_env(pythonpath, **(env or {})))
+                              env=cli_env(pythonpath, autoload, **(env or {})))
         assert "RESULTS " in proc.stdout, proc.stdout + proc.stderr
         return [CLIResult(*r) for r in json.loads(proc.stdout.rsplit("RESULTS ", 1)[1])]
 
@@ -242,6 +251,6 @@ def qwen3_6_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def qwen3_6(qwen3_6_dir: str) -> Any:
-    from transformers import AutoTokenizer
+    from dflash_model.target.compat import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(qwen3_6_dir, local_files_only=True)
+    return auto_tokenizer(qwen3_6_dir, local_files_only=True)

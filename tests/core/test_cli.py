@@ -245,3 +245,50 @@ def test_list_stages_of_an_unknown_kind_is_an_error(cli):
     assert res.out == ""
     res = cli("list-stages", "pack")
     assert res.code == 0 and res.lines_with("pack:best_fit") and not res.lines_with("train:dflash")
+
+
+FOREIGN = '''
+from dataclasses import dataclass
+
+from dflash_core import Stage, hookimpl
+
+
+@dataclass
+class Params:
+    n: int = 1
+
+
+class Foreign(Stage):
+    kind = "foreign"
+    name = "thing"
+    Config = Params
+    inputs = ()
+
+
+@hookimpl
+def dflash_pipe_register_stages(registry):
+    registry.add(Foreign)
+'''
+
+
+def test_the_cli_fixtures_load_only_the_plugins_the_test_names(cli, cli_batch, tmp_path, monkeypatch):
+    """A third-party plugin installed in the environment (a distribution with a ``dflash_pipe``
+    entry point, found on sys.path / PYTHONPATH) stays out of what the CLI fixtures show, so that
+    the tests that count kinds, stages or plugins hold beside any plugin; asked for, it loads."""
+    site = tmp_path / "site"
+    (site / "dflash_test_foreign-1.0.dist-info").mkdir(parents=True)
+    (site / "dflash_test_foreign-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: dflash-test-foreign\nVersion: 1.0\n")
+    (site / "dflash_test_foreign-1.0.dist-info" / "entry_points.txt").write_text(
+        "[dflash_pipe]\nforeign = dflash_test_foreign\n")
+    (site / "dflash_test_foreign.py").write_text(FOREIGN)
+    monkeypatch.syspath_prepend(str(site))  # entry points follow sys.path
+
+    for res in (cli("list-stages"), cli("plugins"), *cli_batch([["list-stages"], ["plugins"]], pythonpath=[site])):
+        assert res.code == 0, res.text
+        assert "foreign" not in res.out, res.out
+    listed, plugins = cli_batch([["list-stages"], ["plugins"]], pythonpath=[site], autoload=True)
+    assert listed.lines_with("foreign:thing"), listed.text
+    assert plugins.lines_with("foreign", "dflash_test_foreign", "loaded"), plugins.text
+    res = cli("list-stages", "tokenise")  # the kinds it offers instead are the built-in ones
+    assert res.code == 2 and "foreign" not in res.err, res.err

@@ -43,14 +43,14 @@ def _row_with(res, *words):
 def test_pip_installed_plugin_is_discovered_listed_and_used(installed_plugins, cli_subprocess,
                                                             cli_batch, write_pipeline, tmp_path):
     site = [installed_plugins.example]
-    res = cli_subprocess("plugins", pythonpath=site, script=True)  # the dflash-pipe console script
+    res = cli_subprocess("plugins", pythonpath=site, autoload=True, script=True)  # the dflash-pipe console script
     assert res.code == 0, res.text
     _row_with(res, "example", "dflash_pipe_example.plugin", "dflash-pipe-example 0.1.0",
               "loaded", "lengths:histogram, pack:sequential")
 
     path = write_pipeline(PACKING)
     listed, ran = cli_batch([["list-stages"],
-                             ["run", "-p", STAGES, path, "--set", USE_SEQUENTIAL]], pythonpath=site)
+                             ["run", "-p", STAGES, path, "--set", USE_SEQUENTIAL]], pythonpath=site, autoload=True)
     assert listed.code == 0, listed.text
     _row_with(listed, "pack:sequential", "example", "samples", "tokens_per_row")
     _row_with(listed, "lengths:histogram", "example")
@@ -88,7 +88,7 @@ def test_broken_plugin_is_reported_not_fatal_unless_used(installed_plugins, cli_
         ["plugins"],
         ["validate", "-p", STAGES, good, "--set", USE_SEQUENTIAL],
         ["validate", "-p", STAGES, uses_broken],
-    ], pythonpath=site)
+    ], pythonpath=site, autoload=True)
 
     assert listed.code == 0, listed.text
     _row_with(listed, "broken", "dflash_pipe_broken.plugin", "dflash-pipe-broken 0.0.1", "failed",
@@ -184,7 +184,7 @@ def test_light_commands_do_not_import_torch(installed_plugins, write_pipeline, t
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=120,
-                          env=cli_env([installed_plugins.example]))
+                          env=cli_env([installed_plugins.example], autoload=True))
     result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     codes = result["codes"]
     assert codes[:2] == [0, 0] and codes[-2:] == [0, 0], proc.stdout + proc.stderr
@@ -256,7 +256,8 @@ def test_example_packer_in_a_real_pipeline_writes_complete_rows(installed_plugin
           pack:     {{uses: sequential, after: tokenize, params: {{tokens_per_row: 128}}}}
           rows:     {{uses: collect, after: pack}}
     """)
-    (ran,) = cli_batch([["run", "-p", STAGES, path]], pythonpath=[installed_plugins.example], timeout=300)
+    (ran,) = cli_batch([["run", "-p", STAGES, path]], pythonpath=[installed_plugins.example], autoload=True,
+                       timeout=300)
     assert ran.code == 0, ran.text
 
     run_dir = str(tmp_path / "run")
