@@ -132,12 +132,12 @@ def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path:
     from torch.nn.attention.flex_attention import flex_attention
     from train_step import median_ms
 
+    from dflash_core.devices import use_device
     from dflash_model.drafter import DFlashDrafter
     from dflash_model.fast import tune_drafter
     from train_step import drafter_shape
 
-    dev = torch.device(args.device)
-    torch.cuda.set_device(dev)
+    dev = use_device(args.device)
     # the drafter's tuning entry point, on a weightless (meta) drafter of this head shape: it checks
     # that the blocks fit the tile and lets the backward take the tile
     with torch.device("meta"):

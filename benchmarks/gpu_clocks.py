@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dflash_core.devices import torch_device
+
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active"
 SW_POWER_CAP = 0x4  # the clock reason bit "held down to stay within the power limit"
 
@@ -41,7 +43,7 @@ class ClockLog:
         # by UUID: torch's device index need not be nvidia-smi's (CUDA_VISIBLE_DEVICES)
         uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)
         if uuid is None:
-            gpu = str(self.device.index or 0)
+            gpu = str(torch_device(self.device).index)
         else:
             gpu = str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
         # into a file, stopped by SIGTERM: how it was run beside the session-9 benchmarks

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_core.devices import use_device
 from dflash_core.stage import StageContext
 from dflash_model.drafter import (
     build_blocks,
@@ -105,13 +106,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cuda":
-        args.device = "cuda:0"
-    dev = torch.device(args.device)
+    dev = use_device(args.device)
+    args.device = str(dev)  # the pipeline part runs on this same device
     if args.tokens is None:
         args.tokens = 8192 if dev.type == "cuda" else 2048
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     dtype_name = "bf16" if dev.type == "cuda" else "float32"
     layers = "auto" if args.layers == "auto" else [int(x) for x in args.layers.split(",")]
     res: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "device": str(dev),

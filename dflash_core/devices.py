@@ -1,8 +1,8 @@
-"""Resolve ``device:`` annotations before anything starts.
+"""Resolve ``device:`` annotations before anything starts, and devices for torch at run time.
 
 ``validate`` must not import torch (it is slow and may not match the GPU driver), so the
 number of visible CUDA devices is read from the driver's view of the system first and only
-confirmed with torch at run time.
+confirmed with torch at run time; :func:`torch_device` and :func:`use_device` import it when called.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ import re
 import shutil
 import subprocess
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _RANK_RE = re.compile(r"\{local_rank(?:\s*\+\s*(\d+))?\}")
@@ -67,3 +71,25 @@ def resolve_device(spec: str, hook: object | None = None, check_available: bool 
             raise ValueError(f"device '{spec}' is not available ({seen})")
         return f"cuda:{idx}"
     return kind if index is None else f"{kind}:{index}"
+
+
+def torch_device(device: str | torch.device) -> torch.device:
+    """``device`` with its CUDA index: ``cuda`` is the current CUDA device, as for torch's tensor
+    calls, but ``torch.cuda.set_device``, RNG forks and NVML take an index only."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def use_device(device: str | torch.device) -> torch.device:
+    """:func:`torch_device`, made this thread's current CUDA device when it is one (a stage's or a
+    benchmark's work, its streams and caches then land on it)."""
+    import torch
+
+    dev = torch_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev

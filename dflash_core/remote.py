@@ -24,6 +24,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_core.devices import use_device
 from dflash_core.links import Channel, ConsumerClosed, StopRun
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
@@ -141,10 +142,9 @@ def receive_stream(sources: list[tuple[int, Any]], channel: Channel, device: str
     live = list(sources)
     stream = None
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
         # receive on a stream of our own: waiting on the device's current stream would also wait
         # for the drafter's step queued there, holding the row back and inflating the transfer time
-        stream = torch.cuda.Stream(torch.device(device))
+        stream = torch.cuda.Stream(use_device(device))
     stats: dict[str, TransferStats] = {}  # by the items' "kind" (a target header is not a row)
     try:
         while live:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_core.devices import use_device
 from dflash_model.fast.regional import compile_blocks
 from dflash_model.fast.settings import compile_wanted
 from dflash_model.target import packed_attention
@@ -68,16 +69,14 @@ def load_feature_target(model: str, device: str | torch.device, *, dtype: str = 
                         attn_implementation: str = "auto", layers: str | Sequence[int] = "auto",
                         num_features: int = 5, last_hidden: bool = False,
                         compile: str = "auto") -> FeatureTarget:
-    """Load ``model`` frozen on ``device`` (``load_target``), compile its decoder layers when
-    ``compile`` (auto | on | off) wants it there, and hook the feature layers (``layers``: ids or
-    ``auto``; ``last_hidden``: return the final hidden state too)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    """Load ``model`` frozen on ``device`` (``load_target``; ``cuda``: the current CUDA device),
+    compile its decoder layers when ``compile`` (auto | on | off) wants it there, and hook the
+    feature layers (``layers``: ids or ``auto``; ``last_hidden``: return the final hidden state too)."""
+    dev = use_device(device)
     attn = (packed_attention.resolve_attn_implementation(attn_implementation, dev)
             if attn_implementation == "auto" else attn_implementation)
     t0 = time.perf_counter()
-    lm, tokenizer = load_target(model, str(device), dtype, attn)
+    lm, tokenizer = load_target(model, str(dev), dtype, attn)
     load_s = time.perf_counter() - t0
     ids = feature_layer_ids(layers, num_features, lm.config.num_hidden_layers)
     target = FeatureTarget(name=model, model=lm, tokenizer=tokenizer, layer_ids=ids,

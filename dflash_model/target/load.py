@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_core.devices import torch_device
 from dflash_model.target.layers import text_config
 
 
@@ -84,10 +85,10 @@ def random_target(spec: str, device: str, torch_dtype: torch.dtype,
     from transformers import AutoModelForCausalLM
 
     cfg = random_config(spec[len(RANDOM_PREFIX):])
-    dev = torch.device(device)
+    dev = torch_device(device)
     # the weights are a function of the spec alone: every run, every torchrun rank and a later
     # `evaluate` rebuild the same target, and the caller's RNG streams are left untouched
-    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    cuda = [dev.index] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(RANDOM_TARGET_SEED)
         with dev:

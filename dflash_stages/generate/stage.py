@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+from dflash_core.devices import torch_device
 from dflash_core.stage import Stage, StageContext
 from dflash_stages.generate.prompts import PromptError, record_messages, render_prompt
 
@@ -148,7 +149,7 @@ class HFGenerate(Stage):
                 records = [json.loads(x) for x in open(path, encoding="utf-8")]
             else:
                 t0 = time.perf_counter()
-                with GpuBusy(torch.device(device)) as busy:
+                with GpuBusy(torch_device(device)) as busy:
                     records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok, told)
                 stats["generate_s"] += time.perf_counter() - t0
                 busy_samples += busy.samples

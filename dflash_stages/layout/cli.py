@@ -114,9 +114,7 @@ def _measure(args: argparse.Namespace, pipeline: Any, extract: Any, train: Any, 
         raise _Refused("tokens per row unknown (the pack stage has no tokens_per_row): give --tokens")
     from dflash_stages.layout.measure import measure
 
-    device = args.device or _default_device()
-    device = "cuda:0" if device == "cuda" else device
-    return measure(extract.config, train.config, int(tokens), device, rows=args.rows,
+    return measure(extract.config, train.config, int(tokens), args.device or _default_device(), rows=args.rows,
                    log=(lambda s: None) if args.quiet or args.json else
                    (lambda s: err_console.print(s, markup=False)))
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_core.devices import use_device
+
 SMOLLM2_HIDDEN = 576  # SmolLM2-135M-Instruct (the bundled GGUF target)
 
 
@@ -105,8 +107,8 @@ def measure(extract_cfg: Any, train_cfg: Any, tokens: int, device: str, rows: in
     ``tokens``-token rows on ``device``."""
     import torch
 
-    dev = torch.device(device)
-    clock = _Clock(dev)
+    clock = _Clock(device)
+    dev = clock.dev
     target, featured, header = _time_target(extract_cfg, tokens, rows, clock, log)
     clock.free()  # the target is gone: the drafter's peak is its own
     gpu_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30 if clock.cuda else None
@@ -119,12 +121,11 @@ class _Clock:
     """Wall-clock timing on one device (synchronised around each call on CUDA) and the peak
     memory since the last :meth:`free`, above what the device held when the clock was made."""
 
-    def __init__(self, dev: Any) -> None:
+    def __init__(self, device: str) -> None:
         import torch
 
-        self.torch, self.dev, self.cuda = torch, dev, dev.type == "cuda"
-        if self.cuda:
-            torch.cuda.set_device(dev)
+        self.torch, self.dev = torch, use_device(device)
+        self.cuda = self.dev.type == "cuda"
         self.free()
         # what others hold on the device is not ours; what we keep across a free (the feature row
         # the drafter trains on) counts in the later peak, as it would on a drafter's GPU

@@ -18,6 +18,7 @@ import torch
 
 from dflash_core import StageContext
 from dflash_core.artifacts import read_json
+from dflash_core.devices import use_device
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_model.drafter import drafter_loss, sample_anchors
@@ -53,9 +54,7 @@ class StepStats:
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.device = torch.device(ctx.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = use_device(ctx.device)
         self.dtype = resolve_dtype(cfg.dtype, ctx.device)
         self.step = 0
         self.total: int | None = cfg.total_steps or None
