@@ -1,6 +1,6 @@
-"""The test assets: the shared Qwen3 tokenizer (``../shared/assets`` beside the repository) and the
-Qwen3.6 tokenizer kept in the repository (``tests/assets/``, built by
-``scripts/build_qwen3_6_tokenizer.py``)."""
+"""The test assets, kept in ``tests/assets/`` (each folder's README says where it comes from and its
+license): the Qwen3 tokenizer, and the Qwen3.6 tokenizer built by ``scripts/build_qwen3_6_tokenizer.py``.
+z-lab's reference loader (``tests/assets/zlab-dflash``) is read by ``tests/drafter/served_loaders.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import lzma
 import shutil
 from pathlib import Path
 
-QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "assets" / "qwen3-tokenizer"
-QWEN3_6_TOKENIZER = Path(__file__).resolve().parent / "assets" / "qwen3_6-tokenizer"
+ASSETS = Path(__file__).resolve().parent / "assets"
+QWEN3_TOKENIZER = ASSETS / "qwen3-tokenizer"
+QWEN3_6_TOKENIZER = ASSETS / "qwen3_6-tokenizer"
 
 
 def unpack_tokenizer(src: Path, dest: Path) -> Path:

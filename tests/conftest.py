@@ -226,11 +226,9 @@ def installed_plugins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The real Qwen3 tokenizer (shared test asset), unpacked into a temp dir."""
-    from tests.assets import QWEN3_TOKENIZER, unpack_qwen3_tokenizer
+    """The real Qwen3 tokenizer (test asset), unpacked into a temp dir."""
+    from tests.assets import unpack_qwen3_tokenizer
 
-    if not (QWEN3_TOKENIZER / "tokenizer.json.gz").exists():
-        pytest.skip(f"Qwen3 tokenizer asset not found at {QWEN3_TOKENIZER}")
     return str(unpack_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer")))
 
 

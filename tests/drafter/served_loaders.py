@@ -1,7 +1,7 @@
 """Load exports the ways users load them and run one block: the oracle side of test_served_loaders.py.
 
-Loaders: "zlab" = z-lab's published ``DFlashDraftModel`` (the reference checkout in
-../shared/reference/zlab-dflash, imported as the package ``dflash``); "auto" =
+Loaders: "zlab" = z-lab's published ``DFlashDraftModel`` (its files, kept unmodified in
+tests/assets/zlab-dflash, imported as the package ``dflash``); "auto" =
 ``AutoModel.from_pretrained(export, trust_remote_code=True)``, i.e. the export's own
 modeling_dflash.py. Run as a script in a fresh interpreter, ``python served_loaders.py JOBS.json``,
 so that the test can put transformers 4.57.1 (``.venv-tf457``) first on PYTHONPATH; it imports
@@ -21,11 +21,11 @@ import json
 import sys
 from pathlib import Path
 
-REFERENCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "zlab-dflash"
+REFERENCE = Path(__file__).resolve().parents[1] / "assets" / "zlab-dflash"
 
 
 def zlab_model_class():
-    """z-lab's DFlashDraftModel, imported from the reference checkout as the package ``dflash``."""
+    """z-lab's DFlashDraftModel, imported from its files as the package ``dflash``."""
     if "dflash" not in sys.modules:
         spec = importlib.util.spec_from_file_location("dflash", REFERENCE / "__init__.py",
                                                       submodule_search_locations=[str(REFERENCE)])
