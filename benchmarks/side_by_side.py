@@ -1,0 +1,245 @@
+"""Our trainer against a public one: train:dflash and SpecForge's DFlash trainer (train:specforge)
+on the same generated records, target and drafter shape, each served by ``dflash-pipe evaluate``
+on the same held-out prompts.
+
+    python benchmarks/side_by_side.py --records 'runs/quality_gpu/cache/generate/*/shard-*.jsonl' \
+        --specforge /path/to/SpecForge --out runs/side_by_side \
+        ours: specforge:trainer=specforge,stages.train.params.batch_size=8
+
+Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``--set`` does, and
+``trainer=specforge`` makes it a reference point (default: ours). Every point runs the quality
+pipeline file (default pipelines/quality_gpu.yaml) without its generate stage, from the same
+records (``--records``, generate's shards), through the same tokenize, pack and extract. Ours keep
+the file's train and checkpoint stages. A reference point replaces train with ``train:specforge``
+(benchmarks/specforge_train.py: SpecForge's own draft model, loss, anchors, optimizer and schedule,
+its small-target recipe), sets pack to one epoch and runs the file's epochs itself (set them with
+``stages.train.params.epochs``). Then each final export is served with ``dflash-pipe evaluate``
+(``--num-prompts``, ``--max-new-tokens``) on the file's held-out prompts.
+
+The points train at once (``--sequential``: one after the other), so with all of them on one GPU
+each wall clock is its own under that load. Prints one table (steps, anchors, drafter compute,
+training time, peak memory, served τ, n-gram τ, lossless) and writes ``side_by_side.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.quality_sweep import parse_point, point_pipeline, write_records  # noqa: E402
+
+
+def reference_pipeline(ours: dict[str, Any], specforge: str, export: Path) -> dict[str, Any]:
+    """Ours with train:specforge in place of train:dflash: the same shape params, the file's epochs
+    run by SpecForge's loop over one packed epoch, no checkpoint or evaluate stage."""
+    doc = json.loads(json.dumps(ours))
+    stages = doc["stages"]
+    ours_train = stages["train"]["params"]
+    pack = stages["pack"]["params"]
+    params = {"specforge": specforge, "export": str(export), "epochs": int(pack.get("epochs", 1)),
+              "heldout": ours_train.get("heldout")}
+    params.update({k: ours_train[k] for k in ("num_layers", "block_size", "mask_token_id") if k in ours_train})
+    stages["train"] = {"uses": "train:specforge", "after": stages["train"]["after"],
+                       "device": stages["train"].get("device", "cpu"), "params": params}
+    pack["epochs"] = 1
+    gone = {"train"}
+    while True:  # what follows train (checkpoint, then evaluate) has nothing to take
+        after = [n for n, s in stages.items() if n != "train" and s.get("after") in gone]
+        if not after:
+            return doc
+        for name in after:
+            del stages[name]
+            gone.add(name)
+
+
+def drop_evaluate(doc: dict[str, Any]) -> dict[str, Any]:
+    """Ours without its evaluate stage: both sides are served by the same command afterwards."""
+    doc = json.loads(json.dumps(doc))
+    for name in [n for n, s in doc["stages"].items() if s.get("uses", "").split(":")[0] in ("evaluate", "spec_decode")]:
+        del doc["stages"][name]
+    return doc
+
+
+def run(cmd: list[str], log: Path) -> subprocess.Popen:
+    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(cmd[2:])}", flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def pipeline_cmd(pipeline: Path, sets: list[str], plugin: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else [])
+    cmd += [str(pipeline)]
+    for kv in sets:
+        cmd += ["--set", kv]
+    return cmd
+
+
+def wait_all(procs: dict[str, subprocess.Popen]) -> dict[str, tuple[int, float]]:
+    """Return code and wall clock of each process, measured from now."""
+    t0, done = time.time(), {}
+    while len(done) < len(procs):
+        for name, p in procs.items():
+            if name not in done and p.poll() is not None:
+                done[name] = (p.returncode, round(time.time() - t0, 1))
+                print(f"[{time.strftime('%H:%M:%S')}] {name} exited {p.returncode} after {done[name][1]} s",
+                      flush=True)
+        time.sleep(1)
+    return done
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def ours_figures(run_dir: Path, drafter_cfg: Any, tokens_per_row: int, num_anchors: int) -> dict[str, Any]:
+    """Steps, anchors, compute and training time of train:dflash, from its metrics log: every
+    step is one row of ``tokens_per_row`` tokens with ``num_anchors`` blocks (padded to that)."""
+    from dflash_model.drafter import training_flops
+
+    log = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r and "loss" in r]
+    if not log:
+        return {}
+    steps = log[-1]["step"]
+    exports = sorted(glob.glob(str(run_dir / "checkpoints" / "step-*" / "export")))
+    return {"steps": steps, "anchors_per_step": num_anchors, "anchor_blocks": steps * num_anchors,
+            "drafter_pflop": training_flops(drafter_cfg, tokens_per_row, num_anchors, 0)["step"] * steps / 1e15,
+            "train_s": log[-1].get("elapsed_s"), "loss": log[-1]["loss"], "acc": log[-1]["acc"],
+            "export": exports[-1] if exports else None}
+
+
+def reference_figures(run_dir: Path, export: Path) -> dict[str, Any]:
+    """The same figures for train:specforge, which counts them as it trains."""
+    log = read_jsonl(run_dir / "specforge_metrics.jsonl")
+    if not log:
+        return {}
+    last = log[-1]
+    return {"steps": last["step"], "anchors_per_step": round(last["anchor_blocks"] / last["step"], 1),
+            "anchor_blocks": last["anchor_blocks"], "drafter_pflop": last["drafter_flop"] / 1e15,
+            "train_s": last["elapsed_s"], "peak_gib": last.get("peak_gib"), "loss": last["loss"],
+            "acc": last["acc"], "export": str(export) if export.exists() else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("points", nargs="*", default=["ours:", "specforge:trainer=specforge"],
+                    help="NAME:KEY=VALUE,... (default: ours: specforge:trainer=specforge)")
+    ap.add_argument("--records", required=True, help="glob of generate's shards (JSONL records)")
+    ap.add_argument("--specforge", required=True, help="path of a SpecForge checkout")
+    ap.add_argument("--pipeline", default=str(REPO / "pipelines" / "quality_gpu.yaml"))
+    ap.add_argument("--out", required=True, help="folder for the points' pipelines, runs, logs and reports")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--eval-batch-size", type=int, default=64)
+    ap.add_argument("--sequential", action="store_true", help="train one point after the other")
+    args = ap.parse_args()
+
+    shards = sorted(glob.glob(args.records))
+    if not shards:
+        raise SystemExit(f"no records match {args.records!r}")
+    base_path = Path(args.pipeline).resolve()
+    base = yaml.safe_load(base_path.read_text())
+    heldout = str((base_path.parent / base["stages"]["train"]["params"]["heldout"]).resolve())
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    records = out / "records.jsonl"
+    print(f"{write_records(shards, 1.0, records)} records from {len(shards)} shards", flush=True)
+
+    points = {}
+    for text in args.points:
+        name, sets = parse_point(text)
+        reference = sets.pop("trainer", "ours") == "specforge"
+        folder = out / name
+        folder.mkdir(exist_ok=True)
+        doc = point_pipeline(base, base_path.parent, records, folder / "run")
+        doc = (reference_pipeline(doc, str(Path(args.specforge).resolve()), folder / "export") if reference
+               else drop_evaluate(doc))
+        (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        points[name] = (reference, doc, pipeline_cmd(folder / "pipeline.yaml", [f"{k}={v}" for k, v in sets.items()],
+                                                     "benchmarks.specforge_train" if reference else None))
+
+    trained: dict[str, tuple[int, float]] = {}
+    if args.sequential:
+        for name, (_, _, cmd) in points.items():
+            trained.update(wait_all({name: run(cmd, out / name / "train.log")}))
+    else:
+        trained = wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()})
+
+    figures = {}
+    for name, (reference, doc, _) in points.items():
+        run_dir = out / name / "run"
+        if reference:
+            figures[name] = reference_figures(run_dir, out / name / "export")
+        elif trained[name][0] == 0:
+            figures[name] = ours_figures(run_dir, drafter_config_of(run_dir),
+                                         int(doc["stages"]["pack"]["params"]["tokens_per_row"]),
+                                         int(doc["stages"]["train"]["params"].get("num_anchors", 512)))
+            figures[name]["peak_gib"] = train_peak(out / name / "train.log")
+        else:
+            figures[name] = {}
+    evals = {name: run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", f["export"], "--prompts", heldout,
+                        "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+                        "--batch-size", str(args.eval_batch_size), "--out", str(out / name / "eval")],
+                       out / name / "eval.log")
+             for name, f in figures.items() if f.get("export")}
+    served = wait_all(evals)
+    rows = []
+    for name, f in figures.items():
+        report = out / name / "eval" / "report.json"
+        rep = json.loads(report.read_text()) if report.exists() else {}
+        rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
+                     "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
+                     "eval_rc": served.get(name, (None,))[0],
+                     **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")}})
+        (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
+    print_table(rows)
+    return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
+
+
+def drafter_config_of(run_dir: Path) -> Any:
+    """Our side's drafter config, read back from its final export."""
+    from dflash_model.drafter import DrafterConfig, read_export_config
+
+    exports = sorted(glob.glob(str(run_dir / "checkpoints" / "step-*" / "export")))
+    if not exports:
+        raise SystemExit(f"{run_dir}: no export was written (see the side's train.log)")
+    return DrafterConfig.from_export_dict(read_export_config(exports[-1]))
+
+
+def train_peak(log: Path) -> float | None:
+    """The peak GPU memory the train stage reported in its summary line."""
+    import re
+
+    found = re.findall(r"train: .*?peak ([0-9.]+) GiB", log.read_text()) if log.exists() else []
+    return float(found[-1]) if found else None
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def f(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    print(f"\n{'point':<16} {'trainer':<9} {'steps':>6} {'anchors/step':>12} {'blocks':>9} {'PFLOP':>7} {'train s':>8} "
+          f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'n-gram':>6} {'lossless':>8}")
+    for r in rows:
+        print(f"{r['point']:<16} {r['trainer']:<9} {f(r, 'steps', 'd'):>6} {f(r, 'anchors_per_step', '.1f'):>12} "
+              f"{f(r, 'anchor_blocks', '.3g'):>9} {f(r, 'drafter_pflop', '.1f'):>7} {f(r, 'train_s', '.0f'):>8} "
+              f"{f(r, 'pipeline_s', '.0f'):>10} {f(r, 'peak_gib', '.1f'):>8} {f(r, 'loss', '.3f'):>6} "
+              f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ngram', '.2f'):>6} "
+              f"{str(r.get('lossless', '-')):>8}")
+    ours = next((r for r in rows if r["trainer"] == "ours" and r.get("tau")), None)
+    ref = next((r for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
+    if ours and ref:
+        print(f"served τ, {ours['point']} / {ref['point']}: {ours['tau'] / ref['tau']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
