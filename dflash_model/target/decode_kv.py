@@ -82,10 +82,10 @@ class RoomyLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        held, new = self.get_seq_length(), key_states.shape[-2]
-        if self.keys is not self._kview or held + new > self._kbuf.shape[-2]:
+        held, new = self.get_seq_length(), key_states.shape[-2]  # 0 before the first update
+        # a first update starts the layer through adopt: lazy_initialization's signature differs
+        # between transformers 4.57 (keys) and 5.x (keys, values)
+        if not self.is_initialized or self.keys is not self._kview or held + new > self._kbuf.shape[-2]:
             self.adopt(self.keys if held else key_states[:, :, :0], self.values if held else value_states[:, :, :0],
                        room=new + ROOM)
         self._kbuf[:, :, held:held + new] = key_states

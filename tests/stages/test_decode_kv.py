@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_model.target import decode_kv
+from tests.transformers_versions import needs_hybrid
 
 
 def _twins(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -24,7 +25,7 @@ def _twins(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return eager, grouped
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=needs_hybrid)])
 def test_decode_steps_equal_eager_attention_on_a_left_padded_batch(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill a left-padded batch, then decode a few tokens: every step's logits equal eager
     attention's on a stock cache (fp32), padding included — so each query head reads its own K/V

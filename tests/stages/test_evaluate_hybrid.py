@@ -18,6 +18,7 @@ from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.spec_decode import (DraftRequest, greedy_decode, ngram_drafter, oracle_drafter,
                                        speculative_decode)
 from tests.stages.test_evaluate import tiny_qwen3
+from tests.transformers_versions import needs_hybrid
 
 B, V = 4, 128
 LAYER_IDS = [0, 3]  # a linear layer and the full-attention layer (the last layer, 4, is not readable)
@@ -60,6 +61,7 @@ def _mixed(prompt: list[int], ref: list[int]):
     return draft
 
 
+@needs_hybrid
 def test_lossless_on_hybrid_target(hybrid, prompts):
     for prompt in prompts:
         ref = greedy_decode(hybrid, prompt, 24)
@@ -76,11 +78,11 @@ def test_lossless_on_hybrid_target(hybrid, prompts):
         assert speculative_decode(hybrid, prompt, ngram_drafter(), B, 24).tokens == ref
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_rerun_only_on_hybrid_rejections(kind, hybrid, prompts):
+@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=needs_hybrid)])
+def test_rerun_only_on_hybrid_rejections(kind, prompts, request):
     """A dense target runs once per cycle; a hybrid one runs the kept tokens again only in cycles
     that rejected a draft (fully accepted blocks leave the state as it should be)."""
-    model = hybrid if kind == "hybrid" else tiny_qwen3()
+    model = request.getfixturevalue("hybrid") if kind == "hybrid" else tiny_qwen3()
     prompt = prompts[1]
     ref = greedy_decode(model, prompt, 24)
     calls: list[int] = []
@@ -103,6 +105,7 @@ def test_rerun_only_on_hybrid_rejections(kind, hybrid, prompts):
         assert calls == expected
 
 
+@needs_hybrid
 def test_features_are_those_of_the_accepted_sequence(hybrid, prompts):
     """The drafter's context = an uncached forward's features of exactly the verified tokens, the
     training-time features, after rejected and after fully accepted blocks alike."""
@@ -136,6 +139,7 @@ def hybrid_export(hybrid, tmp_path_factory):
     return export_drafter(drafter, tmp_path_factory.mktemp("hybrid") / "export")
 
 
+@needs_hybrid
 def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
     from dflash_stages.evaluate.export import evaluate_export
 
@@ -147,6 +151,7 @@ def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
     assert rep["tau_sim"] is not None
 
 
+@needs_hybrid
 def test_planted_broken_rollback_is_caught(hybrid, hybrid_export, prompts, monkeypatch):
     """Crop-only rollback (the state restore skipped): the outputs diverge from greedy and the lossless
     check reports it."""
@@ -160,6 +165,7 @@ def test_planted_broken_rollback_is_caught(hybrid, hybrid_export, prompts, monke
     assert any(w.startswith("NOT LOSSLESS") for w in rep["warnings"])
 
 
+@needs_hybrid
 def test_combined_kv_and_linear_layers_are_refused():
     from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 

@@ -17,6 +17,7 @@ from dflash_core.stage import StageContext
 from dflash_model.target import generate as generate_batch
 from dflash_stages.generate.stage import GenerateConfig, HFGenerate
 from tests.stages.online_fixtures import tiny_target
+from tests.transformers_versions import needs_hybrid
 
 
 def run_generate(tmp_path: Path, files: list[Path], name: str = "gen", events: list[dict] | None = None,
@@ -162,7 +163,7 @@ def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:
             record_messages(empty)
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=needs_hybrid)])
 def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kind: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that stop early are dropped from a dense target's cache; a hybrid's linear state has no
@@ -201,7 +202,7 @@ def test_finished_rows_leave_the_batch_and_every_row_stays_its_greedy_decode(kin
         assert selected == [0]  # all at once, when the last row is done
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=needs_hybrid)])
 def test_waiting_prompts_join_the_rows_in_flight(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With more prompts than ``batch_size``, a dense target's free places are refilled while other
     rows are mid-decode (newcomers shorter and longer than the cache is wide); a hybrid's batches

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_model.target import compat
 from dflash_model.target.linear_attention import Kernels, fla_kernels, linear_mixers, varlen_mixer
 from dflash_model.target.packed_attention import layer_windows, row_attention_mask
 from tests.assets import unpack_qwen3_tokenizer
 from tests.stages.test_extract import extract, packed_row
+from tests.transformers_versions import needs_hybrid
 
+pytestmark = needs_hybrid
 H = 64
 TYPES = ["linear_attention", "linear_attention", "full_attention",
          "linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -143,6 +146,8 @@ def reference_kernels(mixer: torch.nn.Module) -> Kernels:
 
 
 @ON_CPU
+@pytest.mark.skipif(not compat.installed_at_least("5.15.0"),
+                    reason="the reference conv is transformers' torch causal_conv1d_fn, which 5.15 brought")
 def test_varlen_mixer_is_the_layers_own_forward_per_document() -> None:
     """The CUDA path's mixer (written from the math, fla's kernels swapped for transformers' torch
     code) on a packed row equals each linear layer's own forward on each document alone (and on

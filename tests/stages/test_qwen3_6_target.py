@@ -17,7 +17,9 @@ from dflash_model.target.load import PRESETS, load_target
 from dflash_stages.extract import ExtractConfig
 from tests.assets import unpack_qwen3_tokenizer
 from tests.conftest import REPO
+from tests.transformers_versions import needs_hybrid
 
+pytestmark = needs_hybrid
 REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"
 
 

@@ -179,7 +179,7 @@ def test_ids_equal_apply_chat_template(tmp_path: Path, qwen3_dir: str, qwen3: An
                                          "reasoning_content": "Ströme\u00a0und  Leer\tzeichen\r\n"}]}]
     _, _, rows = run_stage(tmp_path, [write_jsonl(tmp_path / "in.jsonl", recs)], tokenizer=qwen3_dir)
     for rec, row in zip(recs, rows):
-        enc = qwen3.apply_chat_template(rec["messages"], tokenize=True, enable_thinking=True)
+        enc = qwen3.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, enable_thinking=True)
         assert row["input_ids"] == list(enc["input_ids"])
 
 

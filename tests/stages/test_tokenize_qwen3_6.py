@@ -149,6 +149,6 @@ def test_fast_path_equals_tokenizer(tmp_path: Path, qwen3_6_dir: str, qwen3_6: A
         runs[fast] = rows
     assert runs["1"] == runs["0"] and len(runs["1"]) == len(recs)
     for rec, row in zip(recs, runs["1"]):
-        enc = qwen3_6.apply_chat_template(rec["messages"], tokenize=True, enable_thinking=True,
+        enc = qwen3_6.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, enable_thinking=True,
                                           preserve_thinking=True)
         assert row["input_ids"] == list(enc["input_ids"])
