@@ -15,8 +15,10 @@ extras="gguf"
 if [[ "${1:-}" == "test" ]]; then
   # the MLflow metrics plugin (and mlflow-skinny), for tests/stages/test_mlflow_plugin.py
   .venv/bin/python -m pip install -q -c constraints-cpu.txt -e plugins/dflash-pipe-mlflow
-  # transformers 4.57.1 (z-lab's pin) beside the installed one, for tests/drafter/test_served_loaders.py,
-  # which loads exports with it in a subprocess (PYTHONPATH=.venv-tf457); the rest comes from .venv
+  # transformers 4.57.1 (z-lab's pin, and pyproject's floor) beside the installed one, used in
+  # subprocesses with PYTHONPATH=.venv-tf457 (the rest comes from .venv): by
+  # tests/drafter/test_served_loaders.py to load exports, and by tests/test_transformers_floor.py to
+  # run the decoding, evaluate, extract and tokenize tests under the lowest supported transformers
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv-tf457 \
     transformers==4.57.1 "tokenizers==0.22.*" "huggingface-hub>=0.34,<1.0"
 fi

@@ -1,0 +1,48 @@
+"""The decoding, evaluate, extract, generate and tokenize tests once more, under the lowest transformers
+dflash-pipe supports (pyproject's ``transformers>=``), in a pytest of its own: ``bash scripts/install.sh
+test`` installs that version beside the newest into ``.venv-tf457`` (the rest comes from ``.venv``),
+so the README's one test command covers both ends of the supported range. Tests of hybrid targets,
+which need a newer transformers, skip there (``tests/transformers_versions.py``) and
+``test_transformers_versions.py`` checks the error such a target gets instead."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+LOWEST = REPO / ".venv-tf457"
+FILES = ["tests/stages/test_decode_kv.py", "tests/stages/test_generate.py", "tests/stages/test_spec_batch.py",
+         "tests/stages/test_evaluate.py", "tests/stages/test_evaluate_hybrid.py",
+         "tests/stages/test_evaluate_pitfalls.py", "tests/stages/test_extract.py",
+         "tests/stages/test_hybrid_extract.py", "tests/stages/test_packed_attention.py",
+         "tests/stages/test_qwen3_6_target.py", "tests/stages/test_tokenize.py", "tests/stages/test_tokenize_fast.py",
+         "tests/stages/test_tokenize_qwen3_6.py", "tests/stages/test_transformers_versions.py",
+         "tests/test_smollm2_target.py"]
+
+
+def declared_floor() -> str:
+    """The lowest transformers pyproject.toml admits."""
+    found = re.search(r'"transformers>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert found, "pyproject.toml declares no transformers>= floor"
+    return found[1]
+
+
+def test_decoding_evaluate_extract_and_tokenize_pass_under_the_lowest_transformers(tmp_path) -> None:
+    if not (LOWEST / "transformers").is_dir():
+        pytest.fail(f"the lowest supported transformers is missing from {LOWEST}: run `bash scripts/install.sh test`")
+    env = dict(os.environ, PYTHONPATH=str(LOWEST))
+    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                             cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert version == declared_floor(), f"{LOWEST} holds transformers {version}, pyproject declares >={declared_floor()}"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "--basetemp", str(tmp_path / "lowest"), *FILES],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    report = f"under transformers {version}:\n{proc.stdout[-12000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, report
+    assert re.search(r"\b[1-9][0-9]* passed", proc.stdout), report  # not everything skipped
