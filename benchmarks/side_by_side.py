@@ -7,7 +7,8 @@ on the same held-out prompts.
         ours: specforge:trainer=specforge,stages.train.params.batch_size=8
 
 Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``--set`` does, and
-``trainer=specforge`` makes it a reference point (default: ours). Every point runs the quality
+``trainer=specforge`` makes it a reference point (default: ours); the values are written into the
+point's pipeline file (``NAME/pipeline.yaml`` in ``--out``). Every point runs the quality
 pipeline file (default pipelines/quality_gpu.yaml) without its generate stage, from the same
 records (``--records``, generate's shards), through the same tokenize, pack and extract. Ours keep
 the file's train and checkpoint stages. A reference point replaces train with ``train:specforge``
@@ -63,6 +64,19 @@ def reference_pipeline(ours: dict[str, Any], specforge: str, export: Path) -> di
             gone.add(name)
 
 
+def apply_sets(doc: dict[str, Any], sets: dict[str, str]) -> dict[str, Any]:
+    """``doc`` with each dotted KEY set to VALUE read as YAML (``--set``'s syntax), so that the
+    pipeline file a point runs, and the figures read back from it, hold what the point set."""
+    doc = json.loads(json.dumps(doc))
+    for key, value in sets.items():
+        *path, last = key.split(".")
+        node = doc
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return doc
+
+
 def drop_evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     """Ours without its evaluate stage: both sides are served by the same command afterwards."""
     doc = json.loads(json.dumps(doc))
@@ -76,12 +90,8 @@ def run(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def pipeline_cmd(pipeline: Path, sets: list[str], plugin: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else [])
-    cmd += [str(pipeline)]
-    for kv in sets:
-        cmd += ["--set", kv]
-    return cmd
+def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
+    return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
 
 
 def wait_all(procs: dict[str, subprocess.Popen]) -> dict[str, tuple[int, float]]:
@@ -163,8 +173,9 @@ def main() -> int:
         doc = point_pipeline(base, base_path.parent, records, folder / "run")
         doc = (reference_pipeline(doc, str(Path(args.specforge).resolve()), folder / "export") if reference
                else drop_evaluate(doc))
+        doc = apply_sets(doc, sets)
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        points[name] = (reference, doc, pipeline_cmd(folder / "pipeline.yaml", [f"{k}={v}" for k, v in sets.items()],
+        points[name] = (reference, doc, pipeline_cmd(folder / "pipeline.yaml",
                                                      "benchmarks.specforge_train" if reference else None))
 
     trained: dict[str, tuple[int, float]] = {}

@@ -1,0 +1,138 @@
+"""benchmarks/side_by_side.py and train:specforge: the reference trainer is fed what train:dflash
+sees (the same documents, tokens, loss masks and features), from a pipeline that differs from ours
+only in its train stage. SpecForge itself runs only on the GPU benchmark (docs/quality.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from benchmarks.side_by_side import apply_sets, drop_evaluate, reference_pipeline
+from benchmarks.specforge_train import (Document, SpecForgeTrain, batch, candidates, documents,
+                                        import_specforge, step_cost)
+from dflash_core.rows import feature_row, producer_fields
+from dflash_stages.pack.packing import BestFitPacker, SampleIndex
+from tests.stages.online_fixtures import tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def samples(rng: np.random.Generator) -> list[dict[str, list[int]]]:
+    """Documents of several lengths, each a prompt (unsupervised) then a supervised answer,
+    one with a single supervised token (no anchor candidate)."""
+    out = []
+    for prompt, answer in ((5, 9), (3, 1), (7, 14), (4, 6)):
+        ids = rng.integers(10, 5000, prompt + answer).tolist()
+        out.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * answer})
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, list[int]]], dict, object]:
+    """The samples packed into one padded row as pack:best_fit does, and its feature row as
+    extract:hf_hooks makes it (a tiny random Qwen3, fp32, hooks on layers 0-2)."""
+    from dflash_model.target.capture import FeatureCapture
+    from dflash_model.target.load import load_target
+
+    docs = samples(np.random.default_rng(0))
+    packer = BestFitPacker(SampleIndex.build(docs), tokens_per_row=64, pad_to=64, pad_token_id=0)
+    row = next(iter(packer))
+    row.update(producer_fields(state=packer.state_dict(), stage="pack", epochs=1, rows_per_epoch=1))
+    model, _ = load_target(str(tiny_target(tmp_path_factory.getbasetemp(), initializer_range=0.1)), "cpu",
+                           "float32", "sdpa")
+    capture = FeatureCapture(model, [0, 1, 2])
+    feats, _ = capture.capture_row(row)
+    return docs, feature_row(row, feats), capture
+
+
+def test_a_row_splits_into_the_documents_train_dflash_sees(packed: tuple) -> None:
+    docs, row, capture = packed
+    assert int(row["num_pad"]) > 0  # the row ends in padding, which is not a document
+    split = documents(row)
+    order = [int(s) for s in row["samples"]]
+    assert len(split) == len(docs) == len(order)
+    for got, sid in zip(split, order):
+        want = docs[sid]
+        assert got.input_ids.tolist() == want["input_ids"]
+        assert got.loss_mask.tolist() == [float(m) for m in want["loss_mask"]]
+        # the features are the row's own rows, and equal the target run on the document alone
+        alone, _ = capture.capture(got.input_ids[None], torch.arange(len(got.input_ids))[None])
+        torch.testing.assert_close(got.features, alone[0], atol=1e-5, rtol=1e-5)
+    assert sum(len(d.input_ids) for d in split) == sum(len(d["input_ids"]) for d in docs)
+
+
+def test_anchor_candidates_are_train_dflash_s(packed: tuple) -> None:
+    from dflash_model.drafter.anchors import anchor_candidates, doc_ids_from_lengths
+
+    _, row, _ = packed
+    mask = torch.as_tensor(row["loss_mask"])
+    ours = anchor_candidates(mask, doc_ids_from_lengths(row["doc_lengths"][:-1], len(mask)))
+    bounds = np.cumsum([0] + [int(n) for n in row["doc_lengths"][:-1]])
+    split = documents(row)
+    assert [candidates(d) for d in split] == [
+        int(((ours >= lo) & (ours < hi)).sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    assert 0 in [candidates(d) for d in split]  # the one-token answer: SpecForge cannot train on it
+
+
+def test_a_batch_pads_on_the_right_with_nothing_supervised() -> None:
+    a = Document(torch.tensor([7, 8, 9]), torch.tensor([0.0, 1.0, 1.0]), torch.ones(3, 2))
+    b = Document(torch.tensor([4]), torch.tensor([1.0]), torch.full((1, 2), 2.0))
+    ids, feats, mask = batch([a, b], "cpu")
+    assert ids.tolist() == [[7, 8, 9], [4, 0, 0]]
+    assert mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert feats.tolist() == [[[1.0, 1.0]] * 3, [[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]]
+
+
+def test_a_step_costs_the_padded_width_and_counts_the_real_blocks() -> None:
+    from dflash_model.drafter import DrafterConfig, training_flops
+
+    cfg = DrafterConfig.from_target(dict(model_type="qwen3", hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=1000),
+                                    num_layers=2, block_size=4, mask_token_id=999)
+    blocks, flop = step_cost(cfg, seq_len=50, counts=[30, 5, 12], num_anchors=16)
+    assert blocks == 16 + 5 + 12
+    assert flop == training_flops(cfg, 3 * 50, 3 * 16, 0, lm_head_rows=3 * 16 * 4)["step"]
+
+
+def test_the_reference_pipeline_differs_from_ours_only_in_train() -> None:
+    from dflash_core.pipeline_file import load_pipeline_text
+    from dflash_core.plugins import PluginManager
+    import benchmarks.specforge_train as plugin
+
+    base = yaml.safe_load((REPO / "pipelines" / "quality_gpu.yaml").read_text())
+    base["stages"].pop("generate")
+    base["stages"]["tokenize"]["after"] = "download"
+    ours = drop_evaluate(base)
+    ref = apply_sets(reference_pipeline(base, "/opt/SpecForge", Path("/tmp/x/export")),
+                     {"stages.train.params.batch_size": "8"})
+    assert list(ours["stages"]) == ["download", "tokenize", "pack", "extract", "train", "checkpoint"]
+    assert list(ref["stages"]) == ["download", "tokenize", "pack", "extract", "train"]
+    for name in ("download", "tokenize", "extract"):
+        assert ref["stages"][name] == ours["stages"][name]
+    assert ref["stages"]["pack"]["params"] == {**ours["stages"]["pack"]["params"], "epochs": 1}
+    train, ours_train = ref["stages"]["train"]["params"], ours["stages"]["train"]["params"]
+    assert ref["stages"]["train"]["uses"] == "train:specforge"
+    assert train == {"specforge": "/opt/SpecForge", "export": "/tmp/x/export",
+                     "epochs": base["stages"]["pack"]["params"]["epochs"], "heldout": ours_train["heldout"],
+                     "num_layers": ours_train["num_layers"], "block_size": ours_train["block_size"],
+                     "mask_token_id": ours_train["mask_token_id"], "batch_size": 8}
+    pm = PluginManager(autoload=False)
+    pm.add_plugin(plugin, "specforge_train")
+    pipeline = load_pipeline_text(yaml.safe_dump(ref), pm, check_devices=False, base_dir=str(REPO / "pipelines"))
+    assert pipeline is not None
+
+
+def test_the_stage_refuses_rows_of_several_epochs_and_a_missing_checkout(tmp_path: Path) -> None:
+    from dflash_core import StageContext
+
+    stage = SpecForgeTrain(SpecForgeTrain.Config())
+    row = {"epochs": 2, "doc_lengths": [2], "input_ids": [1, 2], "loss_mask": [1, 1], "features": torch.zeros(2, 1)}
+    with pytest.raises(ValueError, match="set the pack stage's epochs to 1"):
+        stage._collect(iter([row]), torch.device("cpu"), StageContext(stage="train", config=None))
+    with pytest.raises(ValueError, match="needs a SpecForge checkout"):
+        import_specforge(str(tmp_path))
