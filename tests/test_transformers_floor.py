@@ -21,7 +21,7 @@ from tests.conftest import REPO
 LOWEST = REPO / ".venv-tf457"
 FILES = ["tests/stages/test_decode_kv.py", "tests/stages/test_generate.py", "tests/stages/test_spec_batch.py",
          "tests/stages/test_evaluate.py", "tests/stages/test_evaluate_hybrid.py",
-         "tests/stages/test_evaluate_pitfalls.py", "tests/stages/test_extract.py",
+         "tests/stages/test_evaluate_pitfalls.py", "tests/stages/test_ngram_split.py", "tests/stages/test_extract.py",
          "tests/stages/test_hybrid_extract.py", "tests/stages/test_packed_attention.py",
          "tests/stages/test_qwen3_6_target.py", "tests/stages/test_tokenize.py", "tests/stages/test_tokenize_fast.py",
          "tests/stages/test_tokenize_qwen3_6.py", "tests/stages/test_transformers_versions.py",

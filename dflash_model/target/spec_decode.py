@@ -277,23 +277,31 @@ def dflash_drafter(drafter: nn.Module, embed_weight: torch.Tensor, lm_head_weigh
     return draft
 
 
-def ngram_propose(tokens: Sequence[int], num_tokens: int, max_n: int = 3, min_n: int = 1) -> list[int]:
-    """Prompt-lookup drafting: find the latest earlier occurrence of the last n tokens (n = max_n..min_n)
-    in ``tokens`` and propose the (up to ``num_tokens``) tokens that followed it."""
+NGRAM_MAX_N = 3
+"""The longest suffix the n-gram baseline looks up (evaluate's ``ngram_drafter()``)."""
+
+
+def ngram_match(tokens: Sequence[int], max_n: int = NGRAM_MAX_N, min_n: int = 1) -> tuple[int, int] | None:
+    """(n, where the continuation starts) of the latest earlier occurrence of the last n tokens, for the
+    longest n in max_n..min_n that has one; None when none has. The lookup the n-gram drafter drafts
+    from, and what evaluate's split of cycles by match (``ngram_split``) asks of each cycle's start."""
     L = len(tokens)
-    if num_tokens <= 0:
-        return []
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         suffix = list(tokens[L - n:])
         for start in range(L - n - 1, -1, -1):  # latest match first, excluding the suffix itself
-            if list(tokens[start:start + n]) == suffix:
-                follow = list(tokens[start + n:start + n + num_tokens])
-                if follow:
-                    return follow
-    return []
+            if tokens[start + n - 1] == suffix[-1] and list(tokens[start:start + n]) == suffix:
+                return n, start + n
+    return None
 
 
-def ngram_drafter(max_n: int = 3, min_n: int = 1) -> Drafter:
+def ngram_propose(tokens: Sequence[int], num_tokens: int, max_n: int = NGRAM_MAX_N, min_n: int = 1) -> list[int]:
+    """Prompt-lookup drafting: the (up to ``num_tokens``) tokens that followed the latest earlier
+    occurrence of the longest suffix of n = max_n..min_n tokens (:func:`ngram_match`)."""
+    match = ngram_match(tokens, max_n, min_n) if num_tokens > 0 else None
+    return list(tokens[match[1]:match[1] + num_tokens]) if match else []
+
+
+def ngram_drafter(max_n: int = NGRAM_MAX_N, min_n: int = 1) -> Drafter:
     """Training-free baseline: prompt lookup over prompt + generated text."""
 
     def draft(req: DraftRequest) -> list[int]:

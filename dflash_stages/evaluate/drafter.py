@@ -8,6 +8,8 @@ baseline, τ_sim and the train/serve gap. No files, no tokenizer: ``export.py`` 
   judged at the first differing token: a near tie within the dtype's tolerance is reported, a wider
   gap fails the stage / the command (``runs``);
 * τ_ngram — the training-free prompt-lookup baseline through the same loop;
+* the n-gram split — both drafters' cycles split by whether the n-gram drafter has a match where
+  they start (``runs.ngram_split``): whether a drafter loses on text it could copy or on new text;
 * τ_sim — the same drafter on the same prompts + its served outputs, teacher-forced through the
   training code (``drafter_loss``); ``gap = (τ_sim − τ) / τ_sim``, flagged when |gap| > 10%:
   the signature of something that differs between training and serving (DESIGN §7 pitfalls).
@@ -151,11 +153,12 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
-    report["ngram"] = None
+    report["ngram"], ng = None, None
     if baseline:
-        report["ngram"], m, t = _ngram_baseline(dec, per_prompt, timing)
+        ng, report["ngram"], m, t = _ngram_baseline(dec, per_prompt, timing)
         mismatches, ties = mismatches + m, ties + t
     report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
+    report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": ng})
 
     t0 = time.perf_counter()
     report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
@@ -189,8 +192,8 @@ def _served_summary(run: Any, dec: _Decoding, ref_s: float, timing: dict[str, An
 
 
 def _ngram_baseline(dec: _Decoding, per_prompt: list[dict[str, Any]], timing: dict[str, Any]
-                    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training-free prompt-lookup drafter through the same loop: (its summary, mismatches,
+                    ) -> tuple[Any, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training-free prompt-lookup drafter through the same loop: (its run, its summary, mismatches,
     near ties); each prompt's row gets its ``tau_ngram``, ``timing`` its seconds."""
     from dflash_model.target.spec_decode import ngram_drafter
 
@@ -200,7 +203,7 @@ def _ngram_baseline(dec: _Decoding, per_prompt: list[dict[str, Any]], timing: di
     mismatches, ties = dec.check(ng, "ngram")
     for row, res in zip(per_prompt, ng.results):
         row["tau_ngram"] = res.tau
-    return summary, mismatches, ties
+    return ng, summary, mismatches, ties
 
 
 def _verdict(tau: float, tau_sim: float | None, gap_threshold: float, mismatches: list[dict[str, Any]],

@@ -134,6 +134,8 @@ def render_table(report: Mapping[str, Any]) -> Any:
     head.add_row("τ histogram 1..B", " ".join(str(h) for h in hist[1:]),
                  " ".join(str(h) for h in ng.get("tau_histogram", [])[1:]))
     parts: list[Any] = [head]
+    if report.get("ngram_split"):
+        parts.append(split_table(report))
     rows = report.get("per_prompt") or []
     if rows:
         t = Table(title="per prompt", show_header=True)
@@ -150,6 +152,35 @@ def render_table(report: Mapping[str, Any]) -> Any:
     if files:
         parts.append(Text("report: " + ", ".join(files.values()), style="dim"))
     return Group(*parts)
+
+
+def split_table(report: Mapping[str, Any]) -> Any:
+    """The cycles of each drafter by whether the n-gram drafter has a match where they start
+    (``ngram_split``): τ on text n-gram could copy against τ on new text."""
+    from rich.table import Table
+
+    split = report["ngram_split"]
+    t = Table(title="where τ is won or lost: cycles by the n-gram drafter's match at their start", show_header=True)
+    for col in ("", "DFlash cycles", "DFlash τ", "DFlash % tokens", "n-gram cycles", "n-gram τ", "n-gram % tokens"):
+        t.add_column(col, justify="right" if col else "left")
+
+    def cells(part: Mapping[str, Any] | None) -> list[str]:
+        if not part:
+            return ["-", "-", "-"]
+        share = part["share"]
+        return [str(part["cycles"]), _num(part["tau"]), _num(share * 100 if share is not None else None, "{:.0f}%")]
+
+    def row(name: str, part: Mapping[str, Any]) -> None:
+        t.add_row(name, *cells(part["dflash"]), *cells(part["ngram"]))
+
+    row("n-gram match (copyable text)", split["match"])
+    for n, part in split["match_length"].items():
+        row(f"  suffix of {n} token{'s' if n != '1' else ''}", part)
+    row("no n-gram match (new text)", split["no_match"])
+    ng = report.get("ngram") or {}
+    t.add_row("all cycles", str(report.get("cycles")), _num(report.get("tau_all")), "100%",
+              str(ng.get("cycles", "-")), _num(ng.get("tau_all")), "100%" if ng else "-")
+    return t
 
 
 def summary_table(summary: Mapping[str, Any]) -> Any:

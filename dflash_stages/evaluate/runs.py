@@ -1,5 +1,6 @@
 """The measurements behind an evaluate report: decode every prompt with a drafter, summarize the
-cycles, and check each output against the target's own greedy decode.
+cycles (also split by whether the n-gram drafter has a match where they start), and check each
+output against the target's own greedy decode.
 
 The check and bf16. A batched verify forward and a one-token decode add the same numbers in another
 order; in bf16 that can turn a near-tie between the target's two best tokens the other way, and from
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from dflash_model.target.spec_decode import DecodeResult, Drafter, speculative_decode, tau_histogram
+from dflash_model.target.spec_decode import (NGRAM_MAX_N, DecodeResult, Drafter, ngram_match, speculative_decode,
+                                             tau_histogram)
 
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative logit gap under which a divergence counts as a near tie, by the target's dtype."""
@@ -52,6 +54,42 @@ class DecodeRun:
 
 def mean_tau(accepted: Sequence[int]) -> float:
     return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
+
+
+def cycle_match_lengths(prompt: Sequence[int], result: DecodeResult) -> list[int]:
+    """Per cycle of ``result``: the length of the suffix the n-gram drafter finds earlier in the text at
+    the cycle's start (prompt + output up to its last verified token, the context it drafts from);
+    0 where it finds none. A property of the text, so it splits any drafter's cycles."""
+    text = list(prompt) + list(result.tokens)
+    return [m[0] if (m := ngram_match(text[:a + 1])) else 0 for a in result.anchors]
+
+
+def ngram_split(prompts: Sequence[Sequence[int]], runs: Mapping[str, DecodeRun | None]) -> dict[str, Any]:
+    """Each run's cycles split by whether the n-gram drafter has a match at their start: where a drafter
+    gains or loses against n-gram, on text it could copy (``match``, and by suffix length under
+    ``match_length``) or on new text (``no_match``). Per class and run (None for a run not made):
+    ``cycles``, ``tokens`` (their τ summed: accepted + 1 each), ``tau`` = tokens / cycles and ``share``
+    = tokens / all the run's cycle tokens; over both classes these recombine to the run's ``tau_all``."""
+    cycles = {name: _cycle_taus(prompts, run) if run is not None else None for name, run in runs.items()}
+
+    def part(keep: Callable[[int], bool]) -> dict[str, Any]:
+        return {name: _class_stats(c, keep) if c is not None else None for name, c in cycles.items()}
+
+    return {"match": part(lambda n: n > 0), "no_match": part(lambda n: n == 0),
+            "match_length": {str(k): part(lambda n, k=k: n == k) for k in range(NGRAM_MAX_N, 0, -1)}}
+
+
+def _cycle_taus(prompts: Sequence[Sequence[int]], run: DecodeRun) -> list[tuple[int, int]]:
+    """(n-gram match length at its start, τ) of every cycle of ``run``."""
+    return [(n, a + 1) for p, r in zip(prompts, run.results) for n, a in zip(cycle_match_lengths(p, r), r.accepted)]
+
+
+def _class_stats(cycles: list[tuple[int, int]], keep: Callable[[int], bool]) -> dict[str, Any]:
+    """cycles, tokens, tau and share of the cycles whose match length ``keep`` selects."""
+    taus = [t for n, t in cycles if keep(n)]
+    total = sum(t for _, t in cycles)
+    return {"cycles": len(taus), "tokens": sum(taus), "tau": sum(taus) / len(taus) if taus else None,
+            "share": sum(taus) / total if total else None}
 
 
 def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, block_size: int,

@@ -185,14 +185,14 @@ def test_cli_defaults_from_export(served, cli):
     assert rep["identical"] == 2 and rep["near_ties"] == []  # fp32: the decodes agree token for token
     assert rep["target"] == str(served["target"]) and rep["step"] == 30
     for key in ("tau", "tau_ngram", "tau_sim", "gap", "gap_flag", "tau_histogram", "drafted", "accepted",
-                "per_prompt", "ngram", "training", "warnings"):
+                "per_prompt", "ngram", "ngram_split", "training", "warnings"):
         assert key in rep
     assert len(rep["tau_histogram"]) == B + 1 and sum(rep["tau_histogram"]) == rep["cycles"]
     assert rep["training"]["steps"] == 30 and rep["training"]["tau_sim_train"] == pytest.approx(1.3)
     assert rep["generated_tokens"] == 12 and rep["tau"] >= 1
     # the prompt is the chat template's generation prompt (thinking off: empty think block)
     assert rep["per_prompt"][0]["prompt_tokens"] > 5
-    assert "speculative decoding" in r.out and "lossless" in r.out
+    assert "speculative decoding" in r.out and "lossless" in r.out and "no n-gram match" in r.out
 
 
 def test_cli_fails_on_a_planted_acceptance_bug(served, cli, monkeypatch):

@@ -18,6 +18,7 @@ from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.spec_decode import (DraftRequest, greedy_decode, ngram_drafter, oracle_drafter,
                                        speculative_decode)
 from tests.stages.test_evaluate import tiny_qwen3
+from tests.stages.test_ngram_split import assert_split_adds_up
 from tests.transformers_versions import needs_hybrid
 
 B, V = 4, 128
@@ -149,6 +150,7 @@ def test_evaluate_export_lossless_on_hybrid(hybrid, hybrid_export, prompts):
     assert all(row["lossless"] for row in rep["per_prompt"])
     assert rep["generated_tokens"] == 24 and rep["cycles"] > 0 and rep["ngram"]["cycles"] > 0
     assert rep["tau_sim"] is not None
+    assert_split_adds_up(rep)
 
 
 @needs_hybrid
