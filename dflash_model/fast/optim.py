@@ -1,4 +1,5 @@
-"""The drafter's optimizer step: fused AdamW with the gradient clip folded into it."""
+"""The drafter's optimizer step: fused AdamW with the gradient clip folded into it, over float32
+master weights when the drafter computes in a lower precision."""
 
 from __future__ import annotations
 
@@ -32,7 +33,83 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
     return TritonAdamW(params, lr=lr, weight_decay=weight_decay)
 
 
-def clipped_step(opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+class MasterAdamW:
+    """AdamW over float32 master copies of low-precision (bf16 / fp16) parameters.
+
+    Why: a bf16 weight can only move in steps of its own precision, 2^-8 of its size. An AdamW
+    update of ~lr = 1e-3 on a norm weight at 1.0 rounds away at every step, so the norms never
+    train, and late in a cosine schedule the updates of the other weights round away too. Here the
+    update is taken on float32 masters with float32 moments, and the parameters the model computes
+    with are the masters rounded. Offers what the trainer and ``clipped_step`` use of an optimizer:
+    ``param_groups`` (the learning rate), ``grad_scale``, ``step``, ``zero_grad`` and the state."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
+                 kernel: str = "auto") -> None:
+        self.params = list(params)
+        self.masters = [torch.nn.Parameter(p.detach().float().contiguous()) for p in self.params]
+        self.inner = adamw(self.masters, lr, weight_decay, kernel)
+        self.grad_scale: torch.Tensor | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The float32 copies of the model's gradients that the step takes, made here so that the
+        clip's norm (``clipped_step``) is summed in float32 too."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return getattr(self.inner, "total_norm", torch.nn.utils.get_total_norm)(grads)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m.grad is None and p.grad is not None:  # not copied yet by ``gradients``
+                m.grad = p.grad.float()
+        self.inner.grad_scale = self.grad_scale
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.inner.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the moments and the masters (the parameters become the masters rounded). A state
+        saved without masters (a plain AdamW's) takes them from the parameters as they are now."""
+        if "masters" in state:
+            for m, saved in zip(self.masters, state["masters"], strict=True):
+                m.copy_(saved)
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+        else:
+            for p, m in zip(self.params, self.masters):
+                m.copy_(p)
+        self.inner.load_state_dict(state.get("adamw", state))
+
+
+def drafter_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
+                      kernel: str = "auto", master_weights: bool = True) -> torch.optim.AdamW | MasterAdamW:
+    """``MasterAdamW`` when ``master_weights`` and a parameter is below float32, else ``adamw``."""
+    params = list(params)
+    if master_weights and any(p.dtype != torch.float32 for p in params):
+        return MasterAdamW(params, lr, weight_decay, kernel)
+    return adamw(params, lr, weight_decay, kernel)
+
+
+def clipped_step(opt: torch.optim.Optimizer | MasterAdamW, max_norm: float | None) -> torch.Tensor:
     """Clip the gradients to global L2 norm ``max_norm`` (as ``clip_grad_norm_``; None or 0: no
     clip), take the optimizer step, and return the norm before clipping.
 
@@ -40,7 +117,8 @@ def clipped_step(opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Te
     The fused AdamW kernels divide each gradient by
     ``grad_scale`` as they read it (the hook AMP's GradScaler uses), so here the clip costs only
     the norm. The divisor is the inverse of ``clip_grad_norm_``'s factor, clamped the same way."""
-    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    grads = (opt.gradients() if isinstance(opt, MasterAdamW)
+             else [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None])
     norm = getattr(opt, "total_norm", torch.nn.utils.get_total_norm)(grads)  # TritonAdamW brings its own
     opt.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0) if max_norm else None
     opt.step()

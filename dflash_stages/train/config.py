@@ -46,6 +46,9 @@ class TrainConfig:
     adamw_kernel: str = field(default="auto", metadata={
         "help": "AdamW step: triton (CUDA; fewer passes over the weights than torch's) | torch (fused) | "
                 "auto = triton when the drafter is on CUDA and triton is installed"})
+    master_weights: bool = field(default=True, metadata={
+        "help": "keep float32 master weights and moments when the drafter computes in bf16 / fp16 (off: "
+                "AdamW updates the low-precision weights in place, and updates below their precision are lost)"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
     total_steps: int | None = field(default=None, metadata={
         "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "

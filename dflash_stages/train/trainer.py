@@ -24,7 +24,7 @@ from dflash_core.resume import PIPELINE_STATE
 from dflash_model.drafter import drafter_loss, sample_anchors
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
-from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast.optim import clipped_step, drafter_optimizer
 from dflash_model.fast.settings import compile_wanted, peak_gib
 from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
@@ -82,9 +82,11 @@ class Trainer:
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = self.embed if tied(embed, head) else head.detach().to(self.device, self.dtype)
-        self.opt = adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel)
         if self.distributed:
             self._init_distributed()
+        # after the replicas' weights are made equal: master weights are copied from them
+        self.opt = drafter_optimizer(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel,
+                                     cfg.master_weights)
         if self.ctx.resume_checkpoint:
             self._restore(self.ctx.resume_checkpoint)
         if self.ctx.rank == 0:

@@ -482,3 +482,21 @@ def test_weights_digest_tells_equal_weights_from_one_ulp_apart() -> None:
         b[1].weight.view(torch.int16)[3, 5] += 1  # the neighbouring bf16 value
     assert not torch.equal(a[1].weight, b[1].weight)
     assert weights_digest(a) != weights_digest(b)
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_a_bf16_drafter_trains_its_norm_weights_with_master_weights(tmp_path: Path, target: Path,
+                                                                   master_weights: bool) -> None:
+    """The drafter in bf16, as on a GPU: with float32 master weights (the default) its norm weights
+    leave 1.0; without them every update of a norm weight rounds away and they stay at 1.0."""
+    path = write(tmp_path / "p.yaml", online_pipeline(
+        tmp_path / "run", target, pack=dict(rows=8, tokens_per_row=64),
+        train=dict(TRAIN, dtype="bfloat16", lr=1e-3, warmup_ratio=0.0, master_weights=master_weights),
+        checkpoint=dict(every_steps=1000)))
+    results = run_in_process(path)
+    assert all(r.status == "done" for r in results.values()), results
+    state = load_state(latest(tmp_path / "run"))["model"]
+    norms = {k: v for k, v in state.items() if k.endswith("norm.weight")}
+    assert norms and all(v.dtype == torch.bfloat16 for v in norms.values())
+    moved = {k for k, v in norms.items() if (v != 1).any()}
+    assert moved == (set(norms) if master_weights else set()), sorted(moved)
