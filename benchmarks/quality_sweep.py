@@ -59,6 +59,18 @@ def _file_order(line: str) -> tuple[str, int]:
     return str(record["source"]), int(record["line"])
 
 
+def sweep_inputs(records: str, pipeline: str, out: str) -> tuple[list[str], Path, dict[str, Any], Path]:
+    """generate's shards matching the glob ``records``, the base pipeline file's path and contents,
+    and the output folder (made)."""
+    shards = sorted(glob.glob(records))
+    if not shards:
+        raise SystemExit(f"no records match {records!r}")
+    base_path = Path(pipeline).resolve()
+    folder = Path(out).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return shards, base_path, yaml.safe_load(base_path.read_text()), folder
+
+
 def point_pipeline(base: dict[str, Any], base_dir: Path, records: Path, run_dir: Path) -> dict[str, Any]:
     """The pipeline without generate: download reads ``records``, tokenize follows download."""
     doc = json.loads(json.dumps(base))
@@ -109,13 +121,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=1, help="points running at once")
     args = ap.parse_args()
 
-    shards = sorted(glob.glob(args.records))
-    if not shards:
-        raise SystemExit(f"no records match {args.records!r}")
-    base_path = Path(args.pipeline).resolve()
-    base = yaml.safe_load(base_path.read_text())
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
 
     jobs = []
     for text in args.points:

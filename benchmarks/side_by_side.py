@@ -38,7 +38,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.quality_sweep import parse_point, point_pipeline, write_records  # noqa: E402
+from benchmarks.quality_sweep import parse_point, point_pipeline, sweep_inputs, write_records  # noqa: E402
 
 
 def reference_pipeline(ours: dict[str, Any], specforge: str, export: Path) -> dict[str, Any]:
@@ -153,14 +153,8 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true", help="train one point after the other")
     args = ap.parse_args()
 
-    shards = sorted(glob.glob(args.records))
-    if not shards:
-        raise SystemExit(f"no records match {args.records!r}")
-    base_path = Path(args.pipeline).resolve()
-    base = yaml.safe_load(base_path.read_text())
+    shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
     heldout = str((base_path.parent / base["stages"]["train"]["params"]["heldout"]).resolve())
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
     print(f"{write_records(shards, 1.0, records)} records from {len(shards)} shards", flush=True)
 
