@@ -2,7 +2,7 @@
 
 Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no downloads), one
 8,192-token packed row of 3 documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW
-(fused on CUDA), grad clip 1.0. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
+(fused on CUDA) over float32 master weights as the trainer steps them, grad clip 1.0. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
 5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
 
     python benchmarks/train_step.py                      # the default run (CUDA)
@@ -12,6 +12,7 @@ Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no d
     python benchmarks/train_step.py --profile results/   # + torch.profiler top-kernel tables
     python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
     python benchmarks/train_step.py --adamw-kernel torch # torch's fused AdamW instead of the Triton one
+    python benchmarks/train_step.py --no-master-weights  # AdamW on the bf16 weights (before session 16)
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
     python benchmarks/train_step.py --cuda-graph         # + the step captured as a CUDA graph, replayed
     python benchmarks/train_step.py --breakdown          # + the step's time phase by phase (step_phases.py)
@@ -50,7 +51,7 @@ from dflash_model.drafter.attention import resolve_backend
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast import tune_drafter
 from dflash_model.fast import compile_cache
-from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast.optim import clipped_step, drafter_optimizer
 from dflash_model.fast.settings import compile_wanted
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
 from step_phases import LOSS, PhaseClock, breakdown, breakdown_table  # noqa: E402
@@ -172,7 +173,8 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     model, dev = s["model"], s["device"]
     log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
     compiled, loaded = s["tuned"].compiled, s["tuned"].cache_loaded
-    opt = adamw(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel)
+    opt = drafter_optimizer(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel,
+                            master_weights=args.master_weights)
     gen = torch.Generator().manual_seed(args.seed)
 
     def step(mark: Callable[[str], None] = lambda _: None, chunk_rows: int = args.chunk_rows[0]) -> torch.Tensor:
@@ -321,14 +323,16 @@ def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.o
         return out.loss.detach()
 
     params = list(model.parameters())
-    states = [opt.state[p] for p in params]
+    inner = getattr(opt, "inner", opt)  # MasterAdamW steps float32 masters through an inner AdamW
+    stepped = list(inner.param_groups[0]["params"])
+    states = [inner.state[p] for p in stepped]
+    live = params + (stepped if inner is not opt else []) + [
+        t for st in states for t in (st["exp_avg"], st["exp_avg_sq"], st["step"])]
 
     def snapshot() -> list[torch.Tensor]:
-        return [t.detach().clone() for p, st in zip(params, states)
-                for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"])]
+        return [t.detach().clone() for t in live]
 
     def restore(snap: list[torch.Tensor]) -> None:
-        live = [t for p, st in zip(params, states) for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"])]
         with torch.no_grad():
             for t, v in zip(live, snap):
                 t.copy_(v)
@@ -589,6 +593,8 @@ def main() -> int:
                    help="gradient clip folded into fused AdamW (the trainer's) or clip_grad_norm_ first")
     p.add_argument("--adamw-kernel", default="auto", choices=["auto", "triton", "torch"],
                    help="AdamW step: Triton kernels (auto on CUDA) or torch's fused AdamW")
+    p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+                   help="step the bf16 weights in place instead of float32 masters (the trainer's default)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 3)")
     p.add_argument("--profile", type=Path, default=None, help="directory for profiler tables (3 extra steps)")
