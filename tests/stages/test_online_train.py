@@ -55,10 +55,10 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def launch(argv: list[str], log: Path) -> subprocess.Popen:
+def launch(argv: list[str], log: Path, **env_vars: str) -> subprocess.Popen:
     """A CLI subprocess in its own process group (so SIGKILL reaches all of it), one torch
-    thread, output to ``log``."""
-    env = cli_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    thread, ``env_vars`` added to its environment, output to ``log``."""
+    env = cli_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **env_vars)
     with open(log, "wb") as out:
         return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -1,0 +1,205 @@
+"""Training across hosts on CPU: two torchrun launchers on this machine (``--nnodes 2
+--nproc-per-node 2``, c10d rendezvous on 127.0.0.1, gloo) stand for two hosts of two GPUs each.
+
+On the second host LOCAL_RANK (0, 1) differs from RANK (2, 3), which a single-host run cannot
+show: devices must follow the local rank (``cpu:{local_rank}`` here, ``cuda:{local_rank}`` on
+GPUs), stage placement (``ranks:``) and data shards the global rank. The probes of
+tests/stages/multi_host_probe.py record each rank's stages, devices and trained rows.
+
+- colocated, 4 replicas: every rank runs every stage on its local device, rank r trains rows
+  r, r+4, …, each row once, and the replicas end equal;
+- fan-in 3→1 across the hosts (static rendezvous, ``--node-rank``): ranks 0-2 extract, rank 3
+  (local rank 1 of host 1) trains every row once, in order;
+- host 1's launcher SIGKILLed after a checkpoint stops host 0's too; ``--resume`` on both ends
+  bit-identical to the uninterrupted colocated run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.stages.multi_host_probe import PROBE_ENV, read_probe
+from tests.stages.online_fixtures import TINY_TRAIN
+from tests.stages.test_online_train import (BIN, assert_complete, assert_same_train_state, finish, kill_all,
+                                            latest, launch, write)
+
+PROBE = "tests.stages.multi_host_probe"
+HOSTS, PER_HOST = 2, 2
+WORLD = HOSTS * PER_HOST
+COLOCATED_ROWS = 24  # 6 steps of 4 replicas x 1 row; checkpoints at 2, 4, 6
+FAN_IN_ROWS = 12  # 4 per producer rank; 4 steps of 3 rows on the one drafter
+TIMEOUT = 150.0
+STOP_TIMEOUT = 60.0  # measured: host 0 stops 1 s after host 1 is killed
+
+
+def pipeline(run_dir: Path, target: Path, rows: int, train: dict, place: dict[str, str] | None = None) -> str:
+    """pack:indexed -> extract (cpu:{local_rank}) -> train:probed (cpu:{local_rank}) -> checkpoint
+    every 2 steps; ``place``: stage -> its ``ranks:`` (all ranks where absent)."""
+    place = place or {}
+
+    def ranks(stage: str) -> str:
+        return f", ranks: {place[stage]}" if stage in place else ""
+
+    device = ", device: 'cpu:{local_rank}'"
+    return (f"version: 1\nrun_dir: {run_dir}\nstages:\n"
+            f"  pack: {{uses: 'pack:indexed', params: {json.dumps({'rows': rows, 'tokens_per_row': 64})}"
+            f"{ranks('pack')}}}\n"
+            f"  extract: {{uses: 'extract:hf_hooks', after: pack{device}, params: {{model: '{target}', "
+            f"layers: [0, 1, 2]}}{ranks('extract')}}}\n"
+            f"  train: {{uses: 'train:probed', after: extract{device}, "
+            f"params: {json.dumps(dict(TINY_TRAIN, **train))}{ranks('train')}}}\n"
+            f"  checkpoint: {{uses: 'checkpoint:fsspec', after: train, params: {{every_steps: 2}}"
+            f"{ranks('checkpoint')}}}\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_hosts(yaml: Path, logs: Path, probe: Path, *args: str, static: bool = False) -> list[subprocess.Popen]:
+    """One torchrun launcher per host, output in ``logs/host<node>.log``. They meet at a c10d
+    rendezvous on a free port, which numbers the hosts itself; ``static``: at host 0's store with
+    ``--node-rank``, so host n gets ranks 2n and 2n + 1."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    common = ["--nnodes", str(HOSTS), "--nproc-per-node", str(PER_HOST)]
+    rdzv = (["--master-addr", "127.0.0.1", "--master-port", port] if static else
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:12]])
+    return [launch([str(BIN / "torchrun"), *common, *rdzv, *(["--node-rank", str(node)] if static else []),
+                    "-m", "dflash_core.cli.main", "run", "-p", PROBE, str(yaml), *args],
+                   logs / f"host{node}.log", **{PROBE_ENV: str(probe)})
+            for node in range(HOSTS)]
+
+
+def finish_hosts(hosts: list[subprocess.Popen], logs: Path) -> str:
+    """Both launchers' logs once both exited 0 (each killed with its workers if it did not)."""
+    try:
+        return "".join(finish(h, logs / f"host{node}.log", timeout=TIMEOUT) for node, h in enumerate(hosts))
+    finally:
+        for h in hosts:
+            if h.poll() is None:
+                kill_all(h)
+
+
+def local_device(rank: int) -> str:
+    return f"cpu:{rank % PER_HOST}"  # ranks fill host 0 first: rank r is local rank r mod 2
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    probe: Path
+    log: str
+
+
+def run_two_hosts(root: Path, target: Path, rows: int, train: dict, place: dict[str, str] | None = None,
+                  static: bool = False) -> Run:
+    root.mkdir(parents=True, exist_ok=True)
+    yaml = write(root / "pipe.yaml", pipeline(root / "run", target, rows, train, place))
+    hosts = two_hosts(yaml, root, root / "probe", static=static)
+    return Run(root / "run", root / "probe", finish_hosts(hosts, root))
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory, target: Path) -> Run:
+    """The uninterrupted colocated run: 4 replicas over two hosts."""
+    return run_two_hosts(tmp_path_factory.mktemp("colocated"), target, COLOCATED_ROWS, {"rows_per_step": 1})
+
+
+def stages_by_rank(probe: Path) -> dict[int, dict[str, str]]:
+    out: dict[int, dict[str, str]] = {}
+    for rec in read_probe(probe, "stages"):
+        assert rec["local_rank"] == rec["rank"] % PER_HOST and rec["group_rank"] == rec["rank"] // PER_HOST, rec
+        out.setdefault(rec["rank"], {})[rec["stage"]] = rec["device"]
+    return out
+
+
+def test_colocated_on_two_hosts(colocated: Run) -> None:
+    devices = stages_by_rank(colocated.probe)
+    assert sorted(devices) == list(range(WORLD))
+    for rank, stages in devices.items():
+        assert set(stages) == {"pack", "extract", "train", "checkpoint"}, (rank, stages)
+        assert stages["extract"] == stages["train"] == local_device(rank), (rank, stages)
+    trained = {rec["rank"]: rec for rec in read_probe(colocated.probe, "trained")}
+    assert sorted(trained) == list(range(WORLD))
+    for rank, rec in trained.items():  # the shard of global rank r: rows r, r+4, ...
+        assert rec["stage_rank"] == rank and rec["device"] == local_device(rank)
+        assert rec["rows"] == list(range(rank, COLOCATED_ROWS, WORLD)), rec
+    every = sorted(r for rec in trained.values() for r in rec["rows"])
+    assert every == list(range(COLOCATED_ROWS))  # no row twice, none skipped
+    # each rank's trainer compared the replicas' weight digests at the end
+    assert colocated.log.count(f"{WORLD} replicas equal") == WORLD, colocated.log[-3000:]
+    ckpt = latest(colocated.run_dir)
+    assert ckpt is not None and ckpt.name == f"step-{COLOCATED_ROWS // WORLD:07d}"
+    assert_complete(ckpt)
+    assert sorted(p.name for p in ckpt.glob("rng.rank*.pt")) == [f"rng.rank{r}.pt" for r in range(1, WORLD)]
+
+
+def test_fan_in_three_to_one_across_hosts(tmp_path: Path, target: Path) -> None:
+    """Ranks 0, 1 (host 0) and 2 (host 1, local rank 0) extract; rank 3 (host 1, local rank 1)
+    trains. The drafter reads its producers round robin: every row once, in global order. The
+    static rendezvous (``--node-rank``) is the other way to launch, which pins the hosts' ranks."""
+    producers, drafter = "'0-2'", "[3]"
+    run = run_two_hosts(tmp_path, target, FAN_IN_ROWS, {"rows_per_step": 3},
+                        {"pack": producers, "extract": producers, "train": drafter, "checkpoint": drafter},
+                        static=True)
+    assert "train: 4 steps" in (tmp_path / "host1.log").read_text()  # --node-rank 1 got rank 3
+    devices = stages_by_rank(run.probe)
+    assert {r: set(s) for r, s in devices.items()} == {
+        0: {"pack", "extract"}, 1: {"pack", "extract"}, 2: {"pack", "extract"}, 3: {"train", "checkpoint"}}
+    for rank, stages in devices.items():  # on its host's device: extract on 0, 1, 0; train on 1
+        assert stages.get("extract", stages.get("train")) == local_device(rank), (rank, stages)
+    [rec] = read_probe(run.probe, "trained")
+    assert rec["rank"] == 3 and rec["local_rank"] == 1 and rec["device"] == "cpu:1" and rec["stage_rank"] == 0
+    assert rec["rows"] == list(range(FAN_IN_ROWS))
+    assert "received 12 row items from ranks [0, 1, 2]" in run.log
+    ckpt = latest(run.run_dir)
+    assert ckpt is not None and ckpt.name == "step-0000004"
+    assert_complete(ckpt)
+
+
+def test_killing_one_host_stops_the_job_and_resume_on_both_is_bit_identical(
+        tmp_path: Path, target: Path, colocated: Run) -> None:
+    yaml = write(tmp_path / "pipe.yaml", pipeline(tmp_path / "run", target, COLOCATED_ROWS, {"rows_per_step": 1}))
+    run_dir = tmp_path / "run"
+    hosts = two_hosts(yaml, tmp_path / "killed", tmp_path / "probe")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while latest(run_dir) is None and all(h.poll() is None for h in hosts):
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.02)
+        kill_all(hosts[1])  # host 1: its launcher and both its workers
+        # host 0's workers lose their peers in the next collective: its launcher must exit by itself
+        try:
+            hosts[0].wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"host 0 still runs {STOP_TIMEOUT:.0f} s after host 1 was killed:\n"
+                        + (tmp_path / "killed" / "host0.log").read_text()[-3000:])
+    finally:
+        for h in hosts:
+            if h.poll() is None:
+                kill_all(h)
+    assert hosts[0].returncode not in (0, None), (tmp_path / "killed" / "host0.log").read_text()[-3000:]
+    ckpt = latest(run_dir)
+    assert ckpt is not None and ckpt.name != latest(colocated.run_dir).name, "the job ended before the kill"
+
+    log = finish_hosts(two_hosts(yaml, tmp_path / "resumed", tmp_path / "probe", "--resume"), tmp_path / "resumed")
+    assert log.replace("\n", "").count(f"resuming from {ckpt}") == WORLD
+    assert log.count(f"{WORLD} replicas equal") == WORLD
+    resumed, reference = latest(run_dir), latest(colocated.run_dir)
+    assert resumed.name == reference.name
+    assert_same_train_state(reference, resumed, "after the kill and --resume")
+    for r in range(1, WORLD):  # every replica's RNG too
+        a, b = (torch.load(c / f"rng.rank{r}.pt", weights_only=True)["rng"][str(r)]["cpu"] for c in (reference, resumed))
+        assert torch.equal(a, b), f"rank {r}'s RNG state differs"
