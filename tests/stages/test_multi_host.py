@@ -11,7 +11,8 @@ tests/stages/multi_host_probe.py record each rank's stages, devices and trained 
 - fan-in 3→1 across the hosts (static rendezvous, ``--node-rank``): ranks 0-2 extract, rank 3
   (local rank 1 of host 1) trains every row once, in order;
 - host 1's launcher SIGKILLed after a checkpoint stops host 0's too; ``--resume`` on both ends
-  bit-identical to the uninterrupted colocated run.
+  bit-identical to the uninterrupted colocated run; this run's run dir is on S3 (moto), shared
+  as it must be by hosts without a common disk.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.stages.multi_host_probe import PROBE_ENV, read_probe
-from tests.stages.online_fixtures import TINY_TRAIN
+from tests.stages.online_fixtures import CKPT_FILES, TINY_TRAIN
 from tests.stages.test_online_train import (BIN, assert_complete, assert_same_train_state, finish, kill_all,
                                             latest, launch, write)
 
 PROBE = "tests.stages.multi_host_probe"
+BUCKET = "multi-host"
 HOSTS, PER_HOST = 2, 2
 WORLD = HOSTS * PER_HOST
 COLOCATED_ROWS = 24  # 6 steps of 4 replicas x 1 row; checkpoints at 2, 4, 6
@@ -41,7 +44,7 @@ TIMEOUT = 150.0
 STOP_TIMEOUT = 60.0  # measured: host 0 stops 1 s after host 1 is killed
 
 
-def pipeline(run_dir: Path, target: Path, rows: int, train: dict, place: dict[str, str] | None = None) -> str:
+def pipeline(run_dir: Path | str, target: Path, rows: int, train: dict, place: dict[str, str] | None = None) -> str:
     """pack:indexed -> extract (cpu:{local_rank}) -> train:probed (cpu:{local_rank}) -> checkpoint
     every 2 steps; ``place``: stage -> its ``ranks:`` (all ranks where absent)."""
     place = place or {}
@@ -93,7 +96,7 @@ def finish_hosts(hosts: list[subprocess.Popen], logs: Path) -> str:
 
 
 def local_device(rank: int) -> str:
-    return f"cpu:{rank % PER_HOST}"  # ranks fill host 0 first: rank r is local rank r mod 2
+    return f"cpu:{rank % PER_HOST}"  # each host holds two consecutive ranks: rank r is local rank r mod 2
 
 
 @dataclass
@@ -169,16 +172,29 @@ def test_fan_in_three_to_one_across_hosts(tmp_path: Path, target: Path) -> None:
     assert_complete(ckpt)
 
 
+def s3_latest(fs: Any) -> str | None:
+    """The checkpoint ``latest.json`` names in the S3 run dir, None before the first."""
+    try:
+        return json.loads(fs.cat(f"{BUCKET}/run/checkpoints/latest.json"))["name"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def test_killing_one_host_stops_the_job_and_resume_on_both_is_bit_identical(
-        tmp_path: Path, target: Path, colocated: Run) -> None:
-    yaml = write(tmp_path / "pipe.yaml", pipeline(tmp_path / "run", target, COLOCATED_ROWS, {"rows_per_step": 1}))
-    run_dir = tmp_path / "run"
+        tmp_path: Path, target: Path, colocated: Run, s3_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run dir is on S3 (moto on 127.0.0.1), as for hosts that share no disk: rank 0 and the
+    other ranks write each checkpoint's files there, and ``--resume`` reads them back on both."""
+    fs = s3_env.fs()
+    fs.mkdir(BUCKET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint_url)  # the launchers inherit it
+    yaml = write(tmp_path / "pipe.yaml", pipeline(f"s3://{BUCKET}/run", target, COLOCATED_ROWS, {"rows_per_step": 1}))
+    reference = latest(colocated.run_dir)
     hosts = two_hosts(yaml, tmp_path / "killed", tmp_path / "probe")
     try:
         deadline = time.monotonic() + TIMEOUT
-        while latest(run_dir) is None and all(h.poll() is None for h in hosts):
+        while s3_latest(fs) is None and all(h.poll() is None for h in hosts):
             assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.02)
+            time.sleep(0.05)
         kill_all(hosts[1])  # host 1: its launcher and both its workers
         # host 0's workers lose their peers in the next collective: its launcher must exit by itself
         try:
@@ -191,14 +207,19 @@ def test_killing_one_host_stops_the_job_and_resume_on_both_is_bit_identical(
             if h.poll() is None:
                 kill_all(h)
     assert hosts[0].returncode not in (0, None), (tmp_path / "killed" / "host0.log").read_text()[-3000:]
-    ckpt = latest(run_dir)
-    assert ckpt is not None and ckpt.name != latest(colocated.run_dir).name, "the job ended before the kill"
+    killed_at = s3_latest(fs)
+    assert killed_at is not None and killed_at != reference.name, "the job ended before the kill"
 
     log = finish_hosts(two_hosts(yaml, tmp_path / "resumed", tmp_path / "probe", "--resume"), tmp_path / "resumed")
-    assert log.replace("\n", "").count(f"resuming from {ckpt}") == WORLD
+    assert log.replace("\n", "").count(f"resuming from s3://{BUCKET}/run/checkpoints/{killed_at}") == WORLD
     assert log.count(f"{WORLD} replicas equal") == WORLD
-    resumed, reference = latest(run_dir), latest(colocated.run_dir)
-    assert resumed.name == reference.name
+    assert s3_latest(fs) == reference.name
+    remote = f"{BUCKET}/run/checkpoints/{reference.name}"
+    assert all(fs.exists(f"{remote}/{f}") for f in CKPT_FILES), fs.find(remote)
+    resumed = tmp_path / "resumed" / reference.name
+    resumed.mkdir()
+    for name in ["train_state.pt", *(f"rng.rank{r}.pt" for r in range(1, WORLD))]:
+        (resumed / name).write_bytes(fs.cat(f"{remote}/{name}"))
     assert_same_train_state(reference, resumed, "after the kill and --resume")
     for r in range(1, WORLD):  # every replica's RNG too
         a, b = (torch.load(c / f"rng.rank{r}.pt", weights_only=True)["rng"][str(r)]["cpu"] for c in (reference, resumed))
