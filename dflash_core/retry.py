@@ -48,11 +48,13 @@ def call_with_retries(fn: Callable[[], T], *, retries: int, backoff: float,
                       permanent: Callable[[BaseException], bool] = is_permanent,
                       stop: Callable[[], bool] | None = None,
                       on_retry: Callable[[int, BaseException, float], None] | None = None,
-                      max_delay: float = 60.0) -> T:
+                      max_delay: float = 60.0,
+                      wait_at_least: Callable[[BaseException], float | None] | None = None) -> T:
     """``fn()``, retried up to ``retries`` times after the first attempt. The n-th retry waits
     ``backoff · 2^(n-1)`` seconds ×0.5–1.5 (jitter keeps parallel workers from retrying in step),
     at most ``max_delay``. Permanent errors, the last failure, or any failure once ``stop()`` is
-    true are raised. ``on_retry(n, error, delay)`` is called before each wait (logs, counters)."""
+    true are raised. ``on_retry(n, error, delay)`` is called before each wait (logs, counters).
+    ``wait_at_least(error)``: the least wait the failure asks for (an HTTP ``Retry-After``), or None."""
     attempt = 0
     while True:
         try:
@@ -62,6 +64,9 @@ def call_with_retries(fn: Callable[[], T], *, retries: int, backoff: float,
                 raise
             attempt += 1
             delay = min(max_delay, backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            asked = wait_at_least(exc) if wait_at_least is not None else None
+            if asked is not None:
+                delay = max(delay, asked)
             if on_retry is not None:
                 on_retry(attempt, exc, delay)
             time.sleep(delay)

@@ -18,14 +18,15 @@ def dflash_pipe_register_stages(registry: Any) -> None:
     from dflash_stages.download import FsspecDownload
     from dflash_stages.evaluate.stage import SpecDecodeEvaluate
     from dflash_stages.extract import HFHooksExtract
+    from dflash_stages.generate.openai_api import OpenAIGenerate
     from dflash_stages.generate.stage import HFGenerate
     from dflash_stages.pack.random_rows import RandomRows
     from dflash_stages.pack.stage import BestFitPack
     from dflash_stages.tokenize.stage import ChatTemplateTokenize
     from dflash_stages.train.stage import DFlashTrain
 
-    for cls in (FsspecDownload, HFGenerate, ChatTemplateTokenize, BestFitPack, HFHooksExtract, DFlashTrain,
-                FsspecCheckpoint, SpecDecodeEvaluate, RandomRows):
+    for cls in (FsspecDownload, HFGenerate, OpenAIGenerate, ChatTemplateTokenize, BestFitPack, HFHooksExtract,
+                DFlashTrain, FsspecCheckpoint, SpecDecodeEvaluate, RandomRows):
         registry.add(cls)
 
 

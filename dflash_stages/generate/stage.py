@@ -85,7 +85,10 @@ class GenerateConfig:
 
 
 @dataclass
-class _Prompt:
+class Prompt:
+    """A usable prompt: its record's id and place in the input, its messages, and its token ids
+    (empty where the stage does not render it)."""
+
     id: str
     source: str
     line: int
@@ -121,8 +124,10 @@ class HFGenerate(Stage):
         model, tok = load_target(cfg.model, device=device, dtype=cfg.dtype, attn_implementation=cfg.attention)
         skipped: dict[str, int] = {}
         with open(os.path.join(ctx.work_dir, "skipped.jsonl"), "w", encoding="utf-8") as skip_file:
-            prompts = sorted(self._prompts(items, tok, cfg, skipped, skip_file), key=lambda p: -len(p.ids))
-        shard_dir = os.path.join(ctx.cache_dir, self._key(items))
+            prompts = sorted(read_prompts(items, lambda msgs: _prompt_ids(tok, msgs, cfg), cfg.limit, skipped,
+                                          skip_file), key=lambda p: -len(p.ids))
+        # every param, batch_size too: it sets the sampling seeds and the padding
+        shard_dir = os.path.join(ctx.cache_dir, shard_key(self.version, asdict(cfg), items))
         os.makedirs(shard_dir, exist_ok=True)
         eos = sorted(eos_ids(model, tok))
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -153,7 +158,7 @@ class HFGenerate(Stage):
                     records = self._generate_shard(model, shard, cfg, eos, pad, k // S, tok, told)
                 stats["generate_s"] += time.perf_counter() - t0
                 busy_samples += busy.samples
-                _write_atomic(path, records)
+                write_atomic(path, records)
                 stats["generated_tokens"] += sum(r["tokens"] for r in records)
             for r in records:
                 stats[f"finish_{r['finish']}"] += 1
@@ -178,36 +183,7 @@ class HFGenerate(Stage):
                              f"(see {os.path.join(ctx.work_dir, 'skipped.jsonl')})")
 
     @staticmethod
-    def _prompts(items: list[dict], tok: Any, cfg: GenerateConfig, skipped: dict[str, int],
-                 skip_file: Any) -> Iterator[_Prompt]:
-        """Usable prompts of all files in order; every other record counted and logged by reason."""
-        import fsspec
-
-        n = 0
-        for item in items:
-            source = str(item.get("source") or item["path"])
-            with fsspec.open(item["path"], "rb", compression="infer") as f:
-                for line_no, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        record = _parse(raw, line_no == 1)
-                        messages = record_messages(record)
-                        ids = render_prompt(tok, messages, cfg.thinking)
-                        if len(ids) > cfg.max_prompt_tokens:
-                            raise PromptError("over_length", f"{len(ids)} > {cfg.max_prompt_tokens} tokens")
-                    except PromptError as exc:
-                        skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
-                        skip_file.write(json.dumps({"file": source, "line": line_no, "reason": exc.reason,
-                                                    "detail": str(exc)[:300]}, ensure_ascii=False) + "\n")
-                        continue
-                    yield _Prompt(str(record.get("id", f"{source}:{line_no}")), source, line_no, messages, ids)
-                    n += 1
-                    if cfg.limit is not None and n >= cfg.limit:
-                        return
-
-    @staticmethod
-    def _generate_shard(model: Any, shard: list[_Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
+    def _generate_shard(model: Any, shard: list[Prompt], cfg: GenerateConfig, eos: list[int], pad: int,
                         shard_no: int, tok: Any, progress: Callable[[int, int], None]) -> list[dict]:
         """Records of one shard (sorted by prompt length), in order, ``batch_size`` rows in flight."""
         from dflash_model.target.generate import complete
@@ -222,13 +198,6 @@ class HFGenerate(Stage):
                         "finish": c.finish, "tokens": len(c.ids), "source": p.source, "line": p.line})
         return out
 
-    def _key(self, items: list[dict]) -> str:
-        """Shard folder name: what the completions depend on (params, inputs), nothing else."""
-        params = asdict(self.config)  # batch_size too: it sets the sampling seeds and the padding
-        inputs = [(it.get("source") or it["path"], it.get("size"), it.get("etag")) for it in items]
-        blob = json.dumps({"v": self.version, "params": params, "inputs": inputs}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
     @classmethod
     def report(cls, summary: dict[str, Any]) -> Any:
         skipped = summary.get("skipped") or {}
@@ -237,6 +206,48 @@ class HFGenerate(Stage):
                 f"tokens at {summary.get('tokens_per_s')} tokens/s, GPU busy {summary.get('gpu_busy')}; "
                 f"skipped {sum(skipped.values())} {dict(sorted(skipped.items()))}")
 
+
+
+def read_prompts(items: list[dict], render: Callable[[list[dict[str, Any]]], list[int]], limit: int | None,
+                 skipped: dict[str, int], skip_file: Any) -> Iterator[Prompt]:
+    """Usable prompts of all files in order; every other record counted and logged by reason.
+    ``render`` gives a prompt's token ids or raises :class:`PromptError` (a template error, too long)."""
+    import fsspec
+
+    n = 0
+    for item in items:
+        source = str(item.get("source") or item["path"])
+        with fsspec.open(item["path"], "rb", compression="infer") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = _parse(raw, line_no == 1)
+                    messages = record_messages(record)
+                    ids = render(messages)
+                except PromptError as exc:
+                    skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
+                    skip_file.write(json.dumps({"file": source, "line": line_no, "reason": exc.reason,
+                                                "detail": str(exc)[:300]}, ensure_ascii=False) + "\n")
+                    continue
+                yield Prompt(str(record.get("id", f"{source}:{line_no}")), source, line_no, messages, ids)
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+
+
+def _prompt_ids(tok: Any, messages: list[dict[str, Any]], cfg: GenerateConfig) -> list[int]:
+    ids = render_prompt(tok, messages, cfg.thinking)
+    if len(ids) > cfg.max_prompt_tokens:
+        raise PromptError("over_length", f"{len(ids)} > {cfg.max_prompt_tokens} tokens")
+    return ids
+
+
+def shard_key(version: str, params: Mapping[str, Any], items: list[dict]) -> str:
+    """Shard folder name: what the completions depend on (the given params, the inputs), nothing else."""
+    inputs = [(it.get("source") or it["path"], it.get("size"), it.get("etag")) for it in items]
+    blob = json.dumps({"v": version, "params": params, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 def _parse(raw: bytes, first_line: bool) -> dict:
     """The JSON object of one line, with tokenize's reasons for one that is not."""
@@ -248,7 +259,7 @@ def _parse(raw: bytes, first_line: bool) -> dict:
         raise PromptError(exc.reason, exc.detail) from None
 
 
-def _write_atomic(path: str, records: list[dict]) -> None:
+def write_atomic(path: str, records: list[dict]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
