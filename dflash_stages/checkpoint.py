@@ -136,7 +136,7 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
     # clears what a crashed save may have left there before anyone writes
     staging = f"{final}.tmp-save" if local else final
     if ctx.world_size > 1:
-        _barrier()  # every rank has its state in hand before rank 0 starts the directory
+        _barrier(ctx.ranks)  # every rank has its state in hand before rank 0 starts the directory
     rank = state["rank"]
     if rank == 0:
         _unpoint(root, name)
@@ -155,11 +155,11 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
                      "rng": {"0": state["rng"]}}, join(staging, "train_state.pt"))
         _copy_metrics(state.get("metrics_file"), staging)
     if ctx.world_size > 1:
-        _barrier()
+        _barrier(ctx.ranks)
         if rank != 0:
             _torch_save({"rng": {str(rank): state["rng"]}},
                         join(staging if local else final, f"rng.rank{rank}.pt"))
-        _barrier()
+        _barrier(ctx.ranks)
     if rank == 0:
         write_json(join(staging, PIPELINE_STATE), state["pipeline_state"])
         if local:
@@ -168,7 +168,7 @@ def save_checkpoint(state: dict[str, Any], root: str, name: str, ctx: StageConte
             os.replace(staging, final)
         write_json(join(root, LATEST), _pointer(name, state))
     if ctx.world_size > 1:
-        _barrier()
+        _barrier(ctx.ranks)
     return final
 
 
@@ -188,20 +188,23 @@ def _copy_metrics(src: str | None, dest_dir: str) -> None:
             g.write(f.read())
 
 
-_GROUPS: dict[int, Any] = {}
+_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
 
 
-def _barrier() -> None:
-    """Barrier on a gloo group of the checkpoint stage's own: the trainer all-reduces on the
-    default group from another thread meanwhile, and two threads' collectives on one group
-    pair up in a different order on each rank (a deadlock)."""
+def _barrier(ranks: tuple[int, ...] | None) -> None:
+    """Barrier among the checkpoint stage's ``ranks`` (None: every rank) on a gloo group of the
+    stage's own: the trainer all-reduces on its group from another thread meanwhile, and two
+    threads' collectives on one group pair up in a different order on each rank (a deadlock).
+    The group is made by its members alone (local synchronization): in an N -> M fan-in with M > 1
+    the producer ranks never save, and a group every rank had to make hung the first save."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        world = id(dist.group.WORLD)
-        if world not in _GROUPS:  # every rank's first save creates it, in the same order
-            _GROUPS[world] = dist.new_group(backend="gloo")
-        dist.barrier(group=_GROUPS[world])
+        members = tuple(ranks or range(dist.get_world_size()))
+        key = (id(dist.group.WORLD), members)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(members), backend="gloo", use_local_synchronization=True)
+        dist.barrier(group=_GROUPS[key])
 
 
 def prune(root: str, keep: int, storage_options: dict[str, Any] | None = None) -> None:

@@ -8,8 +8,9 @@ tests/stages/multi_host_probe.py record each rank's stages, devices and trained 
 
 - colocated, 4 replicas: every rank runs every stage on its local device, rank r trains rows
   r, r+4, …, each row once, and the replicas end equal;
-- fan-in 3→1 across the hosts (static rendezvous, ``--node-rank``): ranks 0-2 extract, rank 3
-  (local rank 1 of host 1) trains every row once, in order;
+- fan-in 4→2 across two hosts of 3 ranks (static rendezvous, ``--node-rank``): ranks 0-3
+  extract, ranks 4 and 5 (local ranks 1 and 2 of host 1) train, each row once, and checkpoint
+  (which hung before their checkpoint barrier was made by the drafter ranks alone);
 - host 1's launcher SIGKILLed after a checkpoint stops host 0's too; ``--resume`` on both ends
   bit-identical to the uninterrupted colocated run; this run's run dir is on S3 (moto), shared
   as it must be by hosts without a common disk.
@@ -36,10 +37,10 @@ from tests.stages.test_online_train import (BIN, assert_complete, assert_same_tr
 
 PROBE = "tests.stages.multi_host_probe"
 BUCKET = "multi-host"
-HOSTS, PER_HOST = 2, 2
+HOSTS, PER_HOST = 2, 2  # the colocated runs; the fan-in run has 3 ranks a host
 WORLD = HOSTS * PER_HOST
 COLOCATED_ROWS = 24  # 6 steps of 4 replicas x 1 row; checkpoints at 2, 4, 6
-FAN_IN_ROWS = 12  # 4 per producer rank; 4 steps of 3 rows on the one drafter
+FAN_IN_ROWS = 16  # 4 per producer rank; 4 steps of 2 rows on each of the 2 drafters
 TIMEOUT = 150.0
 STOP_TIMEOUT = 60.0  # measured: host 0 stops 1 s after host 1 is killed
 
@@ -70,13 +71,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_hosts(yaml: Path, logs: Path, probe: Path, *args: str, static: bool = False) -> list[subprocess.Popen]:
+def two_hosts(yaml: Path, logs: Path, probe: Path, *args: str, static: bool = False,
+              per_host: int = PER_HOST) -> list[subprocess.Popen]:
     """One torchrun launcher per host, output in ``logs/host<node>.log``. They meet at a c10d
     rendezvous on a free port, which numbers the hosts itself; ``static``: at host 0's store with
-    ``--node-rank``, so host n gets ranks 2n and 2n + 1."""
+    ``--node-rank``, so host n gets ranks n × per_host, …"""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
-    common = ["--nnodes", str(HOSTS), "--nproc-per-node", str(PER_HOST)]
+    common = ["--nnodes", str(HOSTS), "--nproc-per-node", str(per_host)]
     rdzv = (["--master-addr", "127.0.0.1", "--master-port", port] if static else
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:12]])
     return [launch([str(BIN / "torchrun"), *common, *rdzv, *(["--node-rank", str(node)] if static else []),
@@ -95,8 +97,8 @@ def finish_hosts(hosts: list[subprocess.Popen], logs: Path) -> str:
                 kill_all(h)
 
 
-def local_device(rank: int) -> str:
-    return f"cpu:{rank % PER_HOST}"  # each host holds two consecutive ranks: rank r is local rank r mod 2
+def local_device(rank: int, per_host: int = PER_HOST) -> str:
+    return f"cpu:{rank % per_host}"  # each host holds per_host consecutive ranks
 
 
 @dataclass
@@ -107,10 +109,10 @@ class Run:
 
 
 def run_two_hosts(root: Path, target: Path, rows: int, train: dict, place: dict[str, str] | None = None,
-                  static: bool = False) -> Run:
+                  static: bool = False, per_host: int = PER_HOST) -> Run:
     root.mkdir(parents=True, exist_ok=True)
     yaml = write(root / "pipe.yaml", pipeline(root / "run", target, rows, train, place))
-    hosts = two_hosts(yaml, root, root / "probe", static=static)
+    hosts = two_hosts(yaml, root, root / "probe", static=static, per_host=per_host)
     return Run(root / "run", root / "probe", finish_hosts(hosts, root))
 
 
@@ -120,10 +122,10 @@ def colocated(tmp_path_factory: pytest.TempPathFactory, target: Path) -> Run:
     return run_two_hosts(tmp_path_factory.mktemp("colocated"), target, COLOCATED_ROWS, {"rows_per_step": 1})
 
 
-def stages_by_rank(probe: Path) -> dict[int, dict[str, str]]:
+def stages_by_rank(probe: Path, per_host: int = PER_HOST) -> dict[int, dict[str, str]]:
     out: dict[int, dict[str, str]] = {}
     for rec in read_probe(probe, "stages"):
-        assert rec["local_rank"] == rec["rank"] % PER_HOST and rec["group_rank"] == rec["rank"] // PER_HOST, rec
+        assert rec["local_rank"] == rec["rank"] % per_host and rec["group_rank"] == rec["rank"] // per_host, rec
         out.setdefault(rec["rank"], {})[rec["stage"]] = rec["device"]
     return out
 
@@ -149,27 +151,33 @@ def test_colocated_on_two_hosts(colocated: Run) -> None:
     assert sorted(p.name for p in ckpt.glob("rng.rank*.pt")) == [f"rng.rank{r}.pt" for r in range(1, WORLD)]
 
 
-def test_fan_in_three_to_one_across_hosts(tmp_path: Path, target: Path) -> None:
-    """Ranks 0, 1 (host 0) and 2 (host 1, local rank 0) extract; rank 3 (host 1, local rank 1)
-    trains. The drafter reads its producers round robin: every row once, in global order. The
-    static rendezvous (``--node-rank``) is the other way to launch, which pins the hosts' ranks."""
-    producers, drafter = "'0-2'", "[3]"
-    run = run_two_hosts(tmp_path, target, FAN_IN_ROWS, {"rows_per_step": 3},
-                        {"pack": producers, "extract": producers, "train": drafter, "checkpoint": drafter},
-                        static=True)
-    assert "train: 4 steps" in (tmp_path / "host1.log").read_text()  # --node-rank 1 got rank 3
-    devices = stages_by_rank(run.probe)
+def test_fan_in_four_to_two_across_hosts(tmp_path: Path, target: Path) -> None:
+    """Two hosts of 3 ranks: ranks 0-2 (host 0) and 3 (host 1, local rank 0) extract; ranks 4 and 5
+    (host 1, local ranks 1 and 2) are the drafter replicas, fed by producers 0, 2 and 1, 3 round
+    robin: rows r, r+2, … of the 16, each once. Their checkpoints synchronise on the drafter ranks
+    alone. The static rendezvous (``--node-rank``) is the other way to launch; it pins the hosts' ranks."""
+    producers, drafters = "'0-3'", "[4, 5]"
+    run = run_two_hosts(tmp_path, target, FAN_IN_ROWS, {"rows_per_step": 2},
+                        {"pack": producers, "extract": producers, "train": drafters, "checkpoint": drafters},
+                        static=True, per_host=3)
+    assert (tmp_path / "host1.log").read_text().count("train: 4 steps") == 2  # --node-rank 1 got ranks 4, 5
+    devices = stages_by_rank(run.probe, per_host=3)
     assert {r: set(s) for r, s in devices.items()} == {
-        0: {"pack", "extract"}, 1: {"pack", "extract"}, 2: {"pack", "extract"}, 3: {"train", "checkpoint"}}
-    for rank, stages in devices.items():  # on its host's device: extract on 0, 1, 0; train on 1
-        assert stages.get("extract", stages.get("train")) == local_device(rank), (rank, stages)
-    [rec] = read_probe(run.probe, "trained")
-    assert rec["rank"] == 3 and rec["local_rank"] == 1 and rec["device"] == "cpu:1" and rec["stage_rank"] == 0
-    assert rec["rows"] == list(range(FAN_IN_ROWS))
-    assert "received 12 row items from ranks [0, 1, 2]" in run.log
+        **{r: {"pack", "extract"} for r in range(4)}, 4: {"train", "checkpoint"}, 5: {"train", "checkpoint"}}
+    for rank, stages in devices.items():  # on its host's device: extract on 0, 1, 2, 0; train on 1, 2
+        assert stages.get("extract", stages.get("train")) == local_device(rank, 3), (rank, stages)
+    trained = read_probe(run.probe, "trained")
+    assert [(rec["rank"], rec["local_rank"], rec["device"], rec["stage_rank"]) for rec in trained] == [
+        (4, 1, "cpu:1", 0), (5, 2, "cpu:2", 1)]
+    for rec in trained:
+        assert rec["rows"] == list(range(rec["stage_rank"], FAN_IN_ROWS, 2)), rec
+    assert sorted(r for rec in trained for r in rec["rows"]) == list(range(FAN_IN_ROWS))
+    assert run.log.count("received 8 row items from ranks") == 2
+    assert run.log.count("2 replicas equal") == 2
     ckpt = latest(run.run_dir)
     assert ckpt is not None and ckpt.name == "step-0000004"
     assert_complete(ckpt)
+    assert (ckpt / "rng.rank1.pt").is_file()  # the second drafter's, from the stage's own rank 1
 
 
 def s3_latest(fs: Any) -> str | None:
