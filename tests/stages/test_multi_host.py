@@ -1,13 +1,13 @@
 """Training across hosts on CPU: two torchrun launchers on this machine (``--nnodes 2
---nproc-per-node 2``, c10d rendezvous on 127.0.0.1, gloo) stand for two hosts of two GPUs each.
+--nproc-per-node 2`` or ``3``, rendezvous on 127.0.0.1, gloo) stand for two hosts of 2 or 3 GPUs.
 
 On the second host LOCAL_RANK (0, 1) differs from RANK (2, 3), which a single-host run cannot
 show: devices must follow the local rank (``cpu:{local_rank}`` here, ``cuda:{local_rank}`` on
 GPUs), stage placement (``ranks:``) and data shards the global rank. The probes of
 tests/stages/multi_host_probe.py record each rank's stages, devices and trained rows.
 
-- colocated, 4 replicas: every rank runs every stage on its local device, rank r trains rows
-  r, r+4, …, each row once, and the replicas end equal;
+- colocated, 4 replicas (c10d rendezvous): every rank runs every stage on its local device,
+  rank r trains rows r, r+4, …, each row once, and the replicas end equal;
 - fan-in 4→2 across two hosts of 3 ranks (static rendezvous, ``--node-rank``): ranks 0-3
   extract, ranks 4 and 5 (local ranks 1 and 2 of host 1) train, each row once, and checkpoint
   (which hung before their checkpoint barrier was made by the drafter ranks alone);
@@ -230,5 +230,6 @@ def test_killing_one_host_stops_the_job_and_resume_on_both_is_bit_identical(
         (resumed / name).write_bytes(fs.cat(f"{remote}/{name}"))
     assert_same_train_state(reference, resumed, "after the kill and --resume")
     for r in range(1, WORLD):  # every replica's RNG too
-        a, b = (torch.load(c / f"rng.rank{r}.pt", weights_only=True)["rng"][str(r)]["cpu"] for c in (reference, resumed))
+        a, b = (torch.load(c / f"rng.rank{r}.pt", weights_only=True)["rng"][str(r)]["cpu"]
+                for c in (reference, resumed))
         assert torch.equal(a, b), f"rank {r}'s RNG state differs"
