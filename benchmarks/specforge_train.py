@@ -3,7 +3,7 @@
 The reference side of ``benchmarks/side_by_side.py``. The pipeline is the quality job's down to
 extract; this stage takes the place of ``train:dflash``. Load it by path:
 
-    dflash-pipe -p benchmarks.specforge_train run PIPELINE   (from the repository's root)
+    PYTHONPATH=. dflash-pipe run -p benchmarks.specforge_train PIPELINE   (from the repository's root)
 
 with ``SPECFORGE_PATH`` (or the ``specforge`` param) naming a checkout of
 github.com/sgl-project/SpecForge (``docs/quality.md`` gives the commit).
