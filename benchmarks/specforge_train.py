@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from dflash_core import Stage, StageContext, hookimpl
@@ -76,6 +77,13 @@ class Document:
     loss_mask: Any   # float tensor [T], 0/1
     features: Any    # tensor [T, k·H]
 
+    @cached_property
+    def candidates(self) -> int:
+        """Anchor candidates by SpecForge's rule: positions whose token and the next are supervised
+        (a document without one cannot be trained on). Counted once: the loop reads it every step."""
+        m = self.loss_mask > 0.5
+        return int((m[:-1] & m[1:]).sum())
+
 
 def documents(row: Mapping[str, Any]) -> list[Document]:
     """Split a feature row into its documents (the row's padding is not one); each keeps its
@@ -93,13 +101,6 @@ def documents(row: Mapping[str, Any]) -> list[Document]:
         out.append(Document(ids[start:start + n], mask[start:start + n], feats[start:start + n]))
         start += n
     return out
-
-
-def candidates(doc: Document) -> int:
-    """Anchor candidates by SpecForge's rule: positions whose token and the next are supervised
-    (a document without one cannot be trained on)."""
-    m = doc.loss_mask > 0.5
-    return int((m[:-1] & m[1:]).sum())
 
 
 def batch(docs: Sequence[Document], device: Any) -> tuple[Any, Any, Any]:
@@ -209,8 +210,9 @@ class SpecForgeTrain(Stage):
                 raise ValueError(f"train:specforge runs its own epochs: set the pack stage's epochs to 1 "
                                  f"(its rows say {row['epochs']})")
             for d in documents(row):
-                if candidates(d):
-                    docs.append(Document(d.input_ids, d.loss_mask, d.features.to(device)))
+                if d.candidates:
+                    d.features = d.features.to(device)
+                    docs.append(d)
                 else:
                     skipped += 1
         ctx.logger.info("%d documents kept on %s (%d without two consecutive supervised tokens left out)",
@@ -238,7 +240,6 @@ class SpecForgeTrain(Stage):
         import torch
 
         cfg = self.config
-        counts = [candidates(d) for d in docs]
         blocks = flop = 0.0
         gen = torch.Generator().manual_seed(cfg.seed)
         metrics = os.path.join(ctx.run_dir, "specforge_metrics.jsonl")
@@ -252,9 +253,9 @@ class SpecForgeTrain(Stage):
             for i in range(0, len(order), cfg.batch_size):
                 if step >= total:
                     break
-                picked = order[i:i + cfg.batch_size]
-                ids, feats, mask = batch([docs[j] for j in picked], device)
-                step_blocks, step_flop = step_cost(drafter_cfg, ids.shape[1], [counts[j] for j in picked],
+                picked = [docs[j] for j in order[i:i + cfg.batch_size]]
+                ids, feats, mask = batch(picked, device)
+                step_blocks, step_flop = step_cost(drafter_cfg, ids.shape[1], [d.candidates for d in picked],
                                                    cfg.num_anchors)
                 blocks, flop = blocks + step_blocks, flop + step_flop
                 loss, acc, _ = model(input_ids=ids, hidden_states=feats, loss_mask=mask)

@@ -12,8 +12,7 @@ import torch
 import yaml
 
 from benchmarks.side_by_side import apply_sets, drop_evaluate, reference_pipeline
-from benchmarks.specforge_train import (Document, SpecForgeTrain, batch, candidates, documents,
-                                        import_specforge, step_cost)
+from benchmarks.specforge_train import Document, SpecForgeTrain, batch, documents, import_specforge, step_cost
 from dflash_core.rows import feature_row, producer_fields
 from dflash_stages.pack.packing import BestFitPacker, SampleIndex
 from tests.stages.online_fixtures import tiny_target
@@ -73,9 +72,9 @@ def test_anchor_candidates_are_train_dflash_s(packed: tuple) -> None:
     ours = anchor_candidates(mask, doc_ids_from_lengths(row["doc_lengths"][:-1], len(mask)))
     bounds = np.cumsum([0] + [int(n) for n in row["doc_lengths"][:-1]])
     split = documents(row)
-    assert [candidates(d) for d in split] == [
+    assert [d.candidates for d in split] == [
         int(((ours >= lo) & (ours < hi)).sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    assert 0 in [candidates(d) for d in split]  # the one-token answer: SpecForge cannot train on it
+    assert 0 in [d.candidates for d in split]  # the one-token answer: SpecForge cannot train on it
 
 
 def test_a_batch_pads_on_the_right_with_nothing_supervised() -> None:

@@ -207,7 +207,6 @@ class HFGenerate(Stage):
                 f"skipped {sum(skipped.values())} {dict(sorted(skipped.items()))}")
 
 
-
 def read_prompts(items: list[dict], render: Callable[[list[dict[str, Any]]], list[int]], limit: int | None,
                  skipped: dict[str, int], skip_file: Any) -> Iterator[Prompt]:
     """Usable prompts of all files in order; every other record counted and logged by reason.
@@ -248,6 +247,7 @@ def shard_key(version: str, params: Mapping[str, Any], items: list[dict]) -> str
     inputs = [(it.get("source") or it["path"], it.get("size"), it.get("etag")) for it in items]
     blob = json.dumps({"v": version, "params": params, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
 
 def _parse(raw: bytes, first_line: bool) -> dict:
     """The JSON object of one line, with tokenize's reasons for one that is not."""
