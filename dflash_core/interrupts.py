@@ -31,11 +31,16 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def stop_on_signals() -> ContextManager[None]:
+def stop_on_signals(received: list[int]) -> ContextManager[None]:
     """While inside, SIGINT and SIGTERM raise :class:`Stopped`: a command ends with its message and
-    128 + the signal, where SIGTERM's default action would kill it without a word."""
+    128 + the signal, where SIGTERM's default action would kill it without a word.
+
+    Each signal is also appended to ``received``: native code that calls back into Python (torch
+    reading a sequence into a tensor while weights load) can swallow :class:`Stopped` and raise an
+    error of its own, and the command must still end as stopped, not as that error."""
 
     def handler(signum: int, frame: object) -> None:
+        received.append(signum)
         raise Stopped(signum)
 
     return _handling(handler)

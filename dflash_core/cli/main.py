@@ -20,7 +20,7 @@ from typing import NoReturn
 from dflash_core import __version__
 from dflash_core.cli.common import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, err_console,
                                     plugin_manager, setup_logging)
-from dflash_core.interrupts import exit_code, stop_on_signals
+from dflash_core.interrupts import Stopped, exit_code, stop_on_signals
 
 COMMANDS = ["run", "validate", "list_stages", "plugins", "graph", "status"]
 
@@ -52,16 +52,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command and return its exit status; SIGINT / SIGTERM end any command with the
     signal's name and 128 + the signal (``run`` first lets training save: ``cli/run.py``)."""
+    received: list[int] = []
     try:
-        with stop_on_signals():
-            return _command(argv)
+        with stop_on_signals(received):
+            return _command(argv, received)
     except KeyboardInterrupt as exc:  # Stopped, or a Ctrl-C that came before our handler
         signum = getattr(exc, "signum", signal.SIGINT)
         err_console.print(f"{signal.Signals(signum).name}: interrupted")
         return exit_code(signum)
 
 
-def _command(argv: list[str] | None) -> int:
+def _command(argv: list[str] | None, received: list[int]) -> int:
+    """One command; ``received`` lists the signals that arrived, so an error that a signal caused
+    (its :class:`Stopped` replaced inside native code) ends the command as stopped."""
     from dflash_core.errors import PipelineFileError
     from dflash_core.plugins import PluginError
     from dflash_core.runner import Refused, RunFailed
@@ -91,6 +94,8 @@ def _command(argv: list[str] | None) -> int:
         err_console.print(f"error: {exc}", markup=False, soft_wrap=True)  # paths stay whole
         return EXIT_FAILED
     except Exception as exc:  # a bug or an environment problem: one line unless asked
+        if received:
+            raise Stopped(received[0]) from exc
         if args.traceback:
             traceback.print_exc()
         err_console.print(f"error: {type(exc).__name__}: {exc}", markup=False)

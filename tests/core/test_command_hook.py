@@ -16,6 +16,9 @@ from tests.conftest import REPO, CLIResult, cli_env
 
 PLUGIN = "dflash_test_commands"
 SOURCE = '''
+import os
+import signal
+
 from dflash_core import hookimpl
 
 
@@ -24,12 +27,33 @@ def _hello(args):
     return 3
 
 
+class _SignalledSequence:
+    """A sequence whose reading sends this process SIGTERM: torch reads it in native code."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        if i >= 2:
+            raise IndexError(i)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 1.0
+
+
+def _signalled(args):
+    import torch
+
+    torch.tensor(_SignalledSequence())  # the handler's exception comes back as torch's ValueError
+    return 0
+
+
 @hookimpl
 def dflash_pipe_add_commands(subparsers, common):
     p = subparsers.add_parser("hello", parents=[common], help="greet NAME (a test plugin's command)")
     p.add_argument("name")
     p.add_argument("--times", type=int, default=1)
     p.set_defaults(func=_hello)
+    subparsers.add_parser("signalled", parents=[common]).set_defaults(func=_signalled)
 '''
 
 
@@ -88,6 +112,16 @@ def test_plugin_command_runs_from_the_installed_entry_point(command_plugin):
                           env=cli_env([command_plugin]))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "hello there x1" in proc.stdout
+
+
+def test_a_signal_that_native_code_turns_into_an_error_still_stops_the_command(command_plugin, cli_exits):
+    """SIGTERM while torch reads a Python sequence (as it does loading weights): torch replaces the
+    handler's exception with a ValueError of its own, and the command still ends as stopped, 143
+    with the signal's name, not as that error."""
+    res = cli_exits("signalled", "-p", PLUGIN)
+    assert res.code == 143, res.text
+    assert "SIGTERM: interrupted" in res.err
+    assert "ValueError" not in res.text
 
 
 @pytest.mark.parametrize("command, option", [("evaluate", "--num-prompts"), ("plan", "--rates")])
