@@ -12,11 +12,11 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from dflash_core.artifacts import ArtifactStore
+from dflash_core.events import Failed, Failure, Finished, Lifecycle, Started, Stopped
 from dflash_core.links import POLL_S, Channel, StopRun, close_all, fan_out
 from dflash_core.stage import Stage, StageContext
 
@@ -67,11 +67,11 @@ class StageTask:
 
 
 class StageFailed(Exception):
-    """A stage raised; carries the stage's name and the formatted traceback."""
+    """A stage raised: carries its :class:`Failure` out through the inline stages that ran it."""
 
-    def __init__(self, stage: str, message: str, tb: str = "") -> None:
-        super().__init__(f"{stage}: {message}")
-        self.stage, self.message, self.tb = stage, message, tb
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"{failure.stage}: {failure.message}")
+        self.failure = failure
 
 
 def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
@@ -87,7 +87,7 @@ def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
                 src.channel.stop_event = stop
         writer = (ArtifactStore(ctx.run_dir).writer(task.name, task.artifact_key)
                   if task.artifact_key else None)
-        emit(task.name, {"type": "_start", "pid": os.getpid()})
+        emit(task.name, Started(os.getpid()))
         stage = task.cls(ctx.config)
         count = 0
         outputs = list(task.outputs)  # stream links whose consumer still reads
@@ -106,19 +106,16 @@ def drive(task: StageTask, emit: Any, stop: Any) -> Iterator[Any]:
         close_all(outputs)
         _release_inputs(task, inputs, emit)
         digest = writer.commit({**task.meta, "summary": ctx.summary}) if writer else None
-        emit(task.name, {"type": "_done", "items": count, "digest": digest,
-                         "summary": ctx.summary})
+        emit(task.name, Finished(count, digest, ctx.summary))
     except (StopRun, StageFailed):
         raise
     except GeneratorExit:  # inline stages are never materialized: nothing to commit
         if stop is None or not stop.is_set():
             _release_inputs(task, inputs, emit)
-            emit(task.name, {"type": "_done", "items": count, "digest": None,
-                             "summary": ctx.summary})
+            emit(task.name, Finished(count, None, ctx.summary))
         raise
     except BaseException as exc:  # report every failure with the stage's name
-        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        raise StageFailed(task.name, message, traceback.format_exc()) from exc
+        raise StageFailed(Failure.of(task.name, exc)) from exc
 
 
 def _release_inputs(task: StageTask, inputs: dict[str, Any], emit: Any) -> None:
@@ -144,7 +141,7 @@ def _never_started(task: StageTask, emit: Any) -> None:
             _never_started(src.task, emit)
         elif isinstance(src, ChannelSource):
             src.channel.closed.set()
-    emit(task.name, {"type": "_done", "items": 0, "digest": None, "summary": {}})
+    emit(task.name, Finished(0, None, {}))
 
 
 def _work(task: StageTask, emit: Any, stop: Any) -> None:
@@ -153,9 +150,9 @@ def _work(task: StageTask, emit: Any, stop: Any) -> None:
         for _ in drive(task, emit, stop):
             pass
     except StopRun:
-        emit(task.name, {"type": "_stopped"})
+        emit(task.name, Stopped())
     except StageFailed as exc:
-        emit(exc.stage, {"type": "_error", "message": exc.message, "traceback": exc.tb})
+        emit(exc.failure.stage, Failed(exc.failure))
 
 
 class QueueEmitter:
@@ -164,7 +161,7 @@ class QueueEmitter:
     def __init__(self, q: Any) -> None:
         self.q = q
 
-    def __call__(self, stage: str, event: dict[str, Any]) -> None:
+    def __call__(self, stage: str, event: dict[str, Any] | Lifecycle) -> None:
         self.q.put((stage, event))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import networkx as nx
 
 from dflash_core.stage import Stage
+from dflash_core.vocabulary import Executor, Link
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,16 @@ class Mark:
     file: str
     line: int
     col: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A mistake between stages that :meth:`Stage.check` found: reported at stage ``stage``'s
+    key ``at`` in the pipeline file (``("params", "every_steps")``; ``()``: the stage's name)."""
+
+    stage: str
+    message: str
+    at: tuple[str, ...] = ()
 
 
 @dataclass
@@ -39,9 +50,9 @@ class StageSpec:
     """Input port -> upstream stage name."""
     device: str = "cpu"
     """Resolved torch device string (``cpu``, ``cuda:0``)."""
-    link: str | None = None
+    link: Link | None = None
     """Link of this stage's input edges if the file set one; else each upstream's default."""
-    executor: str = "thread"
+    executor: Executor = Executor.THREAD
     ranks: tuple[int, ...] | None = None
     """torchrun ranks that run this stage (None = every rank). A stream link between stages on
     different ranks crosses processes (``dflash_core/remote.py``): N producer ranks fan in to M
@@ -72,10 +83,10 @@ class Pipeline:
                 g.add_edge(upstream, name, port=port, link=self.link(upstream, name))
         return g
 
-    def link(self, upstream: str, downstream: str) -> str:
+    def link(self, upstream: str, downstream: str) -> Link:
         """``stream`` or ``materialize`` for the edge upstream -> downstream."""
         spec = self.stages[downstream]
-        return spec.link or self.stages[upstream].cls.default_link
+        return Link(spec.link or self.stages[upstream].cls.default_link)
 
     def order(self) -> list[str]:
         """Stages in a topological order that keeps file order where the DAG allows."""
@@ -87,3 +98,30 @@ class Pipeline:
 
     def consumers(self, name: str) -> list[str]:
         return [d for d in self.order() if name in self.stages[d].after.values()]
+
+    # what crosses stages: the engine wires it (StageContext) and Stage.check reads it here
+    def fan_in(self, name: str) -> dict[str, int]:
+        """Input port -> producer ranks feeding each rank of ``name`` (N/M of an N -> M fan-in;
+        1 when both run on the same ranks)."""
+        spec = self.stages[name]
+        out = {}
+        for port, upstream in spec.after.items():
+            producers = self.stages[upstream].ranks
+            same = not producers or not spec.ranks or producers == spec.ranks
+            out[port] = 1 if same else len(producers) // len(spec.ranks)
+        return out
+
+    def upstream_facts(self, name: str) -> dict[str, Any]:
+        """The facts that reach ``name``: what each upstream stage publishes for its consumers
+        over what reached that stage in turn (the nearer publisher wins; ports in order)."""
+        facts: dict[str, Any] = {}
+        for upstream in self.stages[name].after.values():
+            spec = self.stages[upstream]
+            facts.update(self.upstream_facts(upstream))
+            facts.update(spec.cls.facts_for_consumers(spec.config))
+        return facts
+
+    def consumer_facts(self, name: str) -> dict[str, dict[str, Any]]:
+        """Consumer -> the facts it publishes for the stages feeding it."""
+        return {c: dict(self.stages[c].cls.facts_for_producers(self.stages[c].config))
+                for c in self.consumers(name)}

@@ -40,7 +40,8 @@ from dflash_core.devices import resolve_device
 from dflash_core.errors import ConfigError, PipelineFileError
 from dflash_core.paths import path_fields, resolve_path
 from dflash_core.pipeline import Mark, Pipeline, StageSpec
-from dflash_core.stage import EXECUTORS, LINKS, Stage
+from dflash_core.stage import Stage
+from dflash_core.vocabulary import Executor, Link
 from dflash_core.yaml_nodes import SET_FILE, ErrorList, Node, apply_override, compose, parse_override
 
 VERSION = 1
@@ -191,7 +192,7 @@ class _Loader:
                 self.err(value.at_key, f"unknown key '{key}' in 'defaults'{hint}")
                 continue
             out[key] = value
-        if "executor" in out and self.choice(out["executor"], "executor", EXECUTORS) is None:
+        if "executor" in out and self.choice(out["executor"], "executor", Executor.values()) is None:
             del out["executor"]
         if "device" in out:
             device = self.device(out["device"])
@@ -266,14 +267,14 @@ class _Loader:
                 self.err(value.at_key, f"unknown key '{key}' in stage '{name}'{hint}")
         cls = self.classes.get(name)
         after = self.after(name, node, body.get("after"), cls, stage_nodes)
-        link = self.choice(body["link"], "link", LINKS) if "link" in body else None
+        link = self.choice(body["link"], "link", Link.values()) if "link" in body else None
         if link is not None and cls is not None and not cls.inputs:
             self.err(body["link"].at_key, f"'link' sets how a stage's inputs arrive, and '{name}' "
                                           f"({cls.kind}:{cls.name}) is a source stage; set it on "
                                           "the consumers")
             link = None
         executor_node = body.get("executor", defaults.get("executor"))
-        executor = (self.choice(executor_node, "executor", EXECUTORS)
+        executor = (self.choice(executor_node, "executor", Executor.values())
                     if executor_node is not None else None)
         if "device" in body:
             device = self.device(body["device"])
@@ -291,7 +292,8 @@ class _Loader:
             return None
         uses = body["uses"].value.strip() if "uses" in body else name
         return StageSpec(name=name, uses=uses, cls=cls, config=config, params=params, after=after,
-                         device=device, link=link, executor=executor or cls.default_executor,
+                         device=device, link=Link(link) if link else None,
+                         executor=Executor(executor or cls.default_executor),
                          ranks=ranks, mark=node.at_key)
 
     def ranks(self, node: Node) -> tuple[int, ...] | None:

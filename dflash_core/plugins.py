@@ -20,7 +20,8 @@ from typing import Any, Iterable
 import pluggy
 
 from dflash_core import hookspecs
-from dflash_core.stage import EXECUTORS, LINKS, Stage
+from dflash_core.stage import Stage
+from dflash_core.vocabulary import Executor, Link
 
 ENTRY_POINT_GROUP = "dflash_pipe"
 AUTOLOAD_ENV = "DFLASH_PIPE_DISABLE_PLUGIN_AUTOLOAD"
@@ -118,10 +119,9 @@ def _check_stage_class(cls: Any) -> None:
             raise PluginError(f"{_qualname(cls)}.{attr} must be a non-empty string without ':'")
     if not dataclasses.is_dataclass(cls.Config):
         raise PluginError(f"{_qualname(cls)}.Config must be a dataclass")
-    if cls.default_link not in LINKS:
-        raise PluginError(f"{_qualname(cls)}.default_link must be one of {LINKS}")
-    if cls.default_executor not in EXECUTORS:
-        raise PluginError(f"{_qualname(cls)}.default_executor must be one of {EXECUTORS}")
+    for attr, words in (("default_link", Link), ("default_executor", Executor)):
+        if getattr(cls, attr) not in words.values():
+            raise PluginError(f"{_qualname(cls)}.{attr} must be one of {', '.join(words.values())}")
 
 
 class PluginManager:

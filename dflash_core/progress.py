@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, Task, TaskID, TextColumn, TimeEla
 
 from dflash_core.progress_columns import (ACTIVE, CountColumn, ETAColumn, FieldColumn, RateColumn,
                                           fmt)
+from dflash_core.vocabulary import Status
 
 PLAIN_INTERVAL_S = 10.0
 SHOWN_METRICS = 6
@@ -46,7 +47,7 @@ class Display:
         """The stage's task (a stage the runner did not announce gets a row at the end)."""
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(
-                stage, start=False, total=None, status="pending", unit="items", counters={},
+                stage, start=False, total=None, status=Status.PENDING, unit="items", counters={},
                 queue="", metrics="")
         return self._get(self.tasks[stage])
 
@@ -82,7 +83,7 @@ class Display:
         elif kind == "log":
             self.console.print(f"[{stage}] {event.get('message', '')}", markup=False)
 
-    def stage_done(self, stage: str, status: str, result: Any) -> None:
+    def stage_done(self, stage: str, status: Status, result: Any) -> None:
         task = self.task(stage)
         for t in (task, *task.fields["counters"].values()):
             self.progress.stop_task(t.id)  # freezes elapsed time, so the rates stay put
@@ -126,7 +127,7 @@ class PlainDisplay(Display):
             parts = [col.render(task).plain for col in (self.count, self.rate, self.eta)]
             self._print(f"[{stage}] " + "  ".join(p for p in (*parts, task.fields["metrics"]) if p))
 
-    def stage_done(self, stage: str, status: str, result: Any) -> None:
+    def stage_done(self, stage: str, status: Status, result: Any) -> None:
         super().stage_done(stage, status, result)
         took = f" in {result.ended - result.started:.1f}s" if result.ended and result.started else ""
         self._print(f"[{stage}] {status}{took} ({result.items:,} items)")

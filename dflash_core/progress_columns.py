@@ -13,7 +13,9 @@ from typing import Any
 from rich.progress import ProgressColumn, Task, TimeRemainingColumn
 from rich.text import Text
 
-ACTIVE = "running"
+from dflash_core.vocabulary import Status
+
+ACTIVE = Status.RUNNING
 
 
 def fmt(value: Any) -> str:

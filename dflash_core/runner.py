@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core.artifacts import ArtifactStore, join
+from dflash_core.events import Failed, Failure, Finished, Started, Stopped, root_cause
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
 from dflash_core.links import POLL_S, Channel, close_all, fan_out
@@ -25,6 +26,7 @@ from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
                                   semantic_params, stage_key)
 from dflash_core.stage import StageContext
+from dflash_core.vocabulary import Executor, Link, Status
 
 QUEUE_BOUND = 8
 STOP_GRACE_S = 1.0
@@ -35,11 +37,12 @@ class Refused(Exception):
 
 
 class RunFailed(Exception):
-    """A stage failed; ``stage`` names it and ``tb`` holds its traceback."""
+    """A stage failed: ``failure`` is the root cause (``stage`` names it, ``tb`` is its traceback)."""
 
-    def __init__(self, stage: str, message: str, tb: str = "") -> None:
-        super().__init__(f"stage '{stage}' failed: {message}")
-        self.stage, self.message, self.tb = stage, message, tb
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"stage '{failure.stage}' failed: {failure.message}")
+        self.failure = failure
+        self.stage, self.message, self.tb = failure.stage, failure.message, failure.traceback
 
 
 class Interrupted(Exception):
@@ -47,7 +50,7 @@ class Interrupted(Exception):
     or at once when ``aborted`` (a second signal). ``failures``: stages that failed meanwhile."""
 
     def __init__(self, signum: int, aborted: bool, results: dict[str, "StageResult"],
-                 failures: list[tuple[str, str, str]]) -> None:
+                 failures: list[Failure]) -> None:
         super().__init__(f"interrupted by signal {signum}")
         self.signum, self.aborted, self.results, self.failures = signum, aborted, results, failures
 
@@ -65,8 +68,7 @@ class Decision:
 @dataclass
 class StageResult:
     stage: str
-    status: str = "pending"
-    """pending | running | done | cached | failed | stopped"""
+    status: Status = Status.PENDING
     items: int = 0
     digest: str | None = None
     key: str | None = None
@@ -124,7 +126,7 @@ class Runner:
                 if upstream in chosen:
                     continue
                 st = statuses[upstream]
-                if self.p.link(upstream, stage) == "stream" or st.state == "streamed":
+                if self.p.link(upstream, stage) == Link.STREAM or st.state == "streamed":
                     raise Refused(
                         f"cannot run '{stage}' alone: its input '{upstream}' is streamed, not "
                         f"materialized (run the whole pipeline, or set 'link: materialize' on "
@@ -154,7 +156,8 @@ class Runner:
                 out.append(Decision(stage, "run", f"--from {self.from_stage}"))
             elif spec.cls.always_run:
                 out.append(Decision(stage, "run", "reads the outside world: always checked"))
-            elif streamed_in := [u for u in spec.after.values() if self.p.link(u, stage) == "stream"]:
+            elif streamed_in := [u for u in spec.after.values()
+                                 if self.p.link(u, stage) == Link.STREAM]:
                 # as _cached: a stage fed by a stream link is never skipped
                 out.append(Decision(stage, "run", f"input '{streamed_in[0]}' is streamed: "
                                                    "runs with it"))
@@ -186,7 +189,7 @@ class Runner:
         for stage in self.selected():
             spec = self.p.stages[stage]
             if is_materialized(self.p, stage) and all(
-                    self.p.link(u, stage) == "materialize" for u in spec.after.values()):
+                    self.p.link(u, stage) == Link.MATERIALIZE for u in spec.after.values()):
                 prefix.append(stage)
         return prefix
 
@@ -262,7 +265,7 @@ class _Supervisor:
         self.digests: dict[str, str] = {s: st.digest for s, st in external.items() if st.digest}
         self.keys: dict[str, str] = {s: st.key for s, st in external.items() if st.key}
         self.results = {s: StageResult(s) for s in chosen}
-        self.uses_process = any(self._executor(s) == "process" for s in chosen)
+        self.uses_process = any(self._executor(s) == Executor.PROCESS for s in chosen)
         ctx = mp.get_context("spawn")
         self.stop: Any = ctx.Event() if self.uses_process else threading.Event()
         self.interrupt: Any = ctx.Event() if self.uses_process else threading.Event()
@@ -274,28 +277,28 @@ class _Supervisor:
         self.workers: dict[str, Any] = {}
         self.fused: dict[str, str] = {}
         """inline stage -> the consumer whose thread runs it"""
-        self.failures: list[tuple[str, str, str]] = []
+        self.failures: list[Failure] = []
 
     # which executor a stage really gets: inline is fused into its single stream consumer
-    def _executor(self, stage: str) -> str:
+    def _executor(self, stage: str) -> Executor:
         spec = self.p.stages[stage]
-        if spec.executor != "inline":
-            return spec.executor
+        if spec.executor != Executor.INLINE:
+            return Executor(spec.executor)
         consumers = [c for c in self.p.consumers(stage) if c in self.chosen]
-        if (len(consumers) == 1 and self.p.link(stage, consumers[0]) == "stream"
-                and self._executor(consumers[0]) != "process"):
-            return "inline"
-        return "thread"
+        if (len(consumers) == 1 and self.p.link(stage, consumers[0]) == Link.STREAM
+                and self._executor(consumers[0]) != Executor.PROCESS):
+            return Executor.INLINE
+        return Executor.THREAD
 
     def _make_channels(self, ctx: Any) -> dict[tuple[str, str], Channel]:
         channels = {}
         for stage in self.chosen:
             for upstream in self.p.stages[stage].after.values():
-                if upstream not in self.chosen or self.p.link(upstream, stage) != "stream":
+                if upstream not in self.chosen or self.p.link(upstream, stage) != Link.STREAM:
                     continue
-                if self._executor(upstream) == "inline":
+                if self._executor(upstream) == Executor.INLINE:
                     continue
-                crosses = "process" in (self._executor(upstream), self._executor(stage))
+                crosses = Executor.PROCESS in (self._executor(upstream), self._executor(stage))
                 q = ctx.Queue(self.r.queue_bound) if crosses else queue.Queue(self.r.queue_bound)
                 closed = ctx.Event() if crosses else threading.Event()
                 channels[(upstream, stage)] = Channel(upstream, stage, q, self.r.queue_bound,
@@ -330,10 +333,10 @@ class _Supervisor:
     # ------------------------------------------------------------------ launch
     def _ready(self, stage: str) -> bool:
         for upstream in self.p.stages[stage].after.values():
-            if self.p.link(upstream, stage) == "materialize" and upstream not in self.digests:
+            if self.p.link(upstream, stage) == Link.MATERIALIZE and upstream not in self.digests:
                 return False
             # an inline upstream runs inside this stage's worker: its own inputs must be ready
-            if (upstream in self.chosen and self._executor(upstream) == "inline"
+            if (upstream in self.chosen and self._executor(upstream) == Executor.INLINE
                     and not self._ready(upstream)):
                 return False
         return True
@@ -346,7 +349,7 @@ class _Supervisor:
             if (upstream, stage) in self.channels:
                 inputs[port] = ChannelSource(self.channels[(upstream, stage)])
                 upstream_digests[upstream] = "stream"
-            elif upstream in self.chosen and self._executor(upstream) == "inline":
+            elif upstream in self.chosen and self._executor(upstream) == Executor.INLINE:
                 inputs[port] = InlineSource(self._task(upstream))
                 self.fused[upstream] = stage
                 upstream_digests[upstream] = "stream"
@@ -389,7 +392,7 @@ class _Supervisor:
         if (self.r.only or self.r.from_stage or spec.cls.always_run
                 or not is_materialized(self.p, stage)):
             return False
-        if any(self.p.link(u, stage) == "stream" for u in spec.after.values()):
+        if any(self.p.link(u, stage) == Link.STREAM for u in spec.after.values()):
             return False
         upstream = {u: self.digests[u] for u in spec.after.values()}
         key = stage_key(self.p, stage, upstream)
@@ -398,23 +401,23 @@ class _Supervisor:
             return False
         self.keys[stage], self.digests[stage] = key, manifest["digest"]
         res = self.results[stage]
-        res.status, res.key, res.digest = "cached", key, manifest["digest"]
+        res.status, res.key, res.digest = Status.CACHED, key, manifest["digest"]
         res.items, res.summary = manifest.get("items", 0), manifest.get("summary", {})
         outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
         if outputs:
             threading.Thread(target=_replay, args=(self.r.store, stage, key, outputs, self.stop),
                              daemon=True).start()
-        self._notify_done(stage, "cached")
+        self._notify_done(stage, Status.CACHED)
         return True
 
     def _launch(self, stage: str) -> None:
         if self._cached(stage):
             return
-        if self._executor(stage) == "inline":
+        if self._executor(stage) == Executor.INLINE:
             return  # runs inside its consumer's worker
         task = self._task(stage)
         executor = self._executor(stage)
-        if executor == "process":
+        if executor == Executor.PROCESS:
             worker: Any = ProcessWorker(task, self.proc_events, self.stop)
         else:
             worker = ThreadWorker(task, self.thread_events, self.stop)
@@ -424,7 +427,7 @@ class _Supervisor:
         self.r._fire("dflash_pipe_before_stage", stage=stage, kind=spec.cls.kind,
                      impl=spec.impl, device=spec.device)
         res = self.results[stage]
-        res.status, res.started, res.key = "running", time.time(), task.artifact_key
+        res.status, res.started, res.key = Status.RUNNING, time.time(), task.artifact_key
         if self.r.display:
             self.r.display.stage_started(stage)
         worker.start()
@@ -454,17 +457,18 @@ class _Supervisor:
                 if self.failures:
                     break
                 if self.interrupt.is_set() and not any(
-                        self.results[s].status == "running" for s in self.savers):
+                        self.results[s].status == Status.RUNNING for s in self.savers):
                     break
                 if not pending and all(
-                        self.results[s].status in ("done", "cached") for s in self.chosen):
+                        self.results[s].status in (Status.DONE, Status.CACHED)
+                        for s in self.chosen):
                     break
                 if self.r.display:
                     self.r.display.queues({f"{u}->{d}": (ch.fill(), ch.bound)
                                            for (u, d), ch in self.channels.items()})
         except KeyboardInterrupt:
             if self.r.interrupt_signal is None:  # no handler (not the CLI's main thread)
-                self.failures.append(("(runner)", "interrupted (Ctrl-C)", ""))
+                self.failures.append(Failure("(runner)", "interrupted (Ctrl-C)"))
             aborted = True
         if self.r.interrupt_signal is not None:
             # whatever failed after the signal is its consequence (a pool worker hit by the
@@ -483,7 +487,7 @@ class _Supervisor:
         import signal
 
         self.interrupt.set()
-        saving = [s for s in self.chosen if self.results[s].status == "running"
+        saving = [s for s in self.chosen if self.results[s].status == Status.RUNNING
                   and self.p.stages[s].cls.stops_at_interrupt]
         self.savers = {*saving,
                        *(c for s in saving for c in self.p.consumers(s) if c in self.chosen)}
@@ -519,20 +523,22 @@ class _Supervisor:
                     return
                 time.sleep(0.01)
 
-    def _on_event(self, stage: str, event: dict[str, Any]) -> None:
-        kind = event.get("type")
+    def _on_event(self, stage: str, event: Any) -> None:
+        """A worker's report: a lifecycle event (the engine's) or a dict the stage emitted."""
         res = self.results.get(stage)
-        if kind == "_start":
+        if isinstance(event, Started):
             if res is not None and stage in self.fused:  # an inline stage has just started
-                res.status, res.started = "running", time.time()
+                res.status, res.started = Status.RUNNING, time.time()
                 spec = self.p.stages[stage]
                 self.r._fire("dflash_pipe_before_stage", stage=stage, kind=spec.cls.kind,
                              impl=spec.impl, device=spec.device)
                 if self.r.display:
                     self.r.display.stage_started(stage)
-        elif kind == "_done" and res is not None:
-            res.status, res.ended = "done", time.time()
-            res.items, res.digest, res.summary = event["items"], event["digest"], event["summary"]
+        elif isinstance(event, Finished):
+            if res is None:
+                return
+            res.status, res.ended = Status.DONE, time.time()
+            res.items, res.digest, res.summary = event.items, event.digest, event.summary
             if res.digest:
                 self.digests[stage] = res.digest
                 spec = self.p.stages[stage]
@@ -541,25 +547,24 @@ class _Supervisor:
                     "version": spec.cls.version, "params": semantic_params(self.p, stage),
                     "upstream": {u: self.digests.get(u, "stream") for u in spec.after.values()},
                     "items": res.items, "finished": res.ended})
-            self._notify_done(stage, "done")
-        elif kind == "_error":
+            self._notify_done(stage, Status.DONE)
+        elif isinstance(event, Failed):
             if res is not None:
-                res.status = "failed"
-            self.failures.append((stage, event["message"], event.get("traceback", "")))
-            self.r._fire("dflash_pipe_on_stage_error", stage=stage,
-                         error=RuntimeError(event["message"]))
-        elif kind == "_stopped":
-            if res is not None and res.status == "running":
-                res.status = "stopped"
+                res.status = Status.FAILED
+            self.failures.append(event.failure)
+            self.r._fire("dflash_pipe_on_stage_error", stage=stage, error=event.failure.error)
+        elif isinstance(event, Stopped):
+            if res is not None and res.status == Status.RUNNING:
+                res.status = Status.STOPPED
         else:
-            if kind == "checkpoint":
+            if event.get("type") == "checkpoint":
                 self.r._fire("dflash_pipe_checkpoint_saved", stage=stage,
                              step=int(event.get("step", 0)), path=str(event.get("path", "")))
             self.r._fire("dflash_pipe_on_event", stage=stage, event=event)
             if self.r.display:
                 self.r.display.event(stage, event)
 
-    def _notify_done(self, stage: str, status: str) -> None:
+    def _notify_done(self, stage: str, status: Status) -> None:
         res = self.results[stage]
         self.r._fire("dflash_pipe_after_stage", stage=stage, status=status, summary=res.summary)
         if self.r.display:
@@ -567,17 +572,18 @@ class _Supervisor:
 
     def _check_workers(self) -> None:
         for stage, worker in self.workers.items():
-            if worker.alive() or self.results[stage].status in ("done", "failed", "stopped"):
+            ended = (Status.DONE, Status.FAILED, Status.STOPPED)
+            if worker.alive() or self.results[stage].status in ended:
                 continue
             self._drain(0.2)  # its last events may still be in flight
-            if self.results[stage].status not in ("done", "failed", "stopped"):
-                self.results[stage].status = "failed"
-                self.failures.append((stage, f"died without finishing ({worker.exit_info()})", ""))
+            if self.results[stage].status not in ended:
+                self.results[stage].status = Status.FAILED
+                self.failures.append(
+                    Failure(stage, f"died without finishing ({worker.exit_info()})"))
 
     def _shutdown(self) -> None:
         self._stop_all()
-        stage, message, tb = _root_cause(self.failures)
-        raise RunFailed(stage, message, tb)
+        raise RunFailed(root_cause(self.failures))
 
     def _stop_all(self) -> None:
         """Stop every worker still running: the stop flag, a grace period, then kill."""
@@ -590,8 +596,8 @@ class _Supervisor:
             if worker.alive():
                 worker.kill()
                 worker.join(1.0)
-            if self.results[stage].status == "running":
-                self.results[stage].status = "stopped"
+            if self.results[stage].status == Status.RUNNING:
+                self.results[stage].status = Status.STOPPED
         self._drain(0.05)
         self._release_queues()
 
@@ -624,14 +630,6 @@ def preload(classes: list[type]) -> None:
         loaded = importlib.import_module(module)
         if attr:
             getattr(loaded, attr)
-
-
-def _root_cause(failures: list[tuple[str, str, str]]) -> tuple[str, str, str]:
-    """The failure that started it: not one that only saw its peer die."""
-    for failure in failures:
-        if "PeerDied" not in failure[1] and "StopRun" not in failure[1]:
-            return failure
-    return failures[0]
 
 
 def _replay(store: ArtifactStore, stage: str, key: str, outputs: list[Channel], stop: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash_core.artifacts import ArtifactStore, artifact_key, join, read_json, write_json
 from dflash_core.pipeline import Pipeline
+from dflash_core.vocabulary import Link
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
@@ -34,8 +35,8 @@ def is_materialized(pipeline: Pipeline, stage: str) -> bool:
     """True if the stage's output is written to the artifact store in a full run."""
     consumers = pipeline.consumers(stage)
     if not consumers:
-        return pipeline.stages[stage].cls.default_link == "materialize"
-    return any(pipeline.link(stage, c) == "materialize" for c in consumers)
+        return pipeline.stages[stage].cls.default_link == Link.MATERIALIZE
+    return any(pipeline.link(stage, c) == Link.MATERIALIZE for c in consumers)
 
 
 def stage_key(pipeline: Pipeline, stage: str, upstream_digests: dict[str, str]) -> str:

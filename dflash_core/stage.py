@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 
-LINKS = ("stream", "materialize")
-EXECUTORS = ("inline", "thread", "process")
+from dflash_core.items import ItemType, PortType
+
+from dflash_core.vocabulary import Executor, Link
+
+if TYPE_CHECKING:
+    from dflash_core.pipeline import Pipeline, Problem
+
 
 
 @dataclass
@@ -36,11 +41,16 @@ class Stage:
     """Bump when the output for the same params changes: it invalidates cached artifacts."""
     Config: ClassVar[type] = NoConfig
     """Dataclass of the stage's ``params:``; validated against the YAML before anything runs."""
-    inputs: ClassVar[tuple[str, ...]] = ("items",)
-    """Input port names; ``()`` for a source stage."""
-    default_link: ClassVar[str] = "stream"
+    inputs: ClassVar[Mapping[str, PortType] | tuple[str, ...]] = ("items",)
+    """Input ports and the item types each accepts (``{"rows": PACKED_ROW}``, see
+    :mod:`dflash_core.items`); ``()`` for a source stage. A tuple of names declares untyped
+    ports, which accept anything."""
+    output: ClassVar[ItemType | None] = None
+    """The type of the items ``run`` yields; ``validate`` checks that it fits each consumer's
+    port. None: undeclared (fits any port)."""
+    default_link: ClassVar[Link | str] = Link.STREAM
     """How this stage's output reaches consumers unless the consumer's ``link:`` says otherwise."""
-    default_executor: ClassVar[str] = "thread"
+    default_executor: ClassVar[Executor | str] = Executor.THREAD
     """Where the stage runs unless the YAML's ``executor:`` says otherwise."""
     always_run: ClassVar[bool] = False
     """True for stages that read the outside world (e.g. download): never skipped as cached,
@@ -69,6 +79,27 @@ class Stage:
     def report(cls, summary: dict[str, Any]) -> Any:
         """A rich renderable shown after the run from the stage's ``ctx.summary`` (or None)."""
         return None
+
+    @classmethod
+    def facts_for_consumers(cls, config: Any) -> Mapping[str, Any]:
+        """Facts this stage's settings fix for every stage downstream of it (names in
+        :mod:`dflash_core.facts`): the engine hands them on as ``ctx.upstream_facts``, so a
+        stage learns them from the stage that owns them, not by reading its params."""
+        return {}
+
+    @classmethod
+    def facts_for_producers(cls, config: Any) -> Mapping[str, Any]:
+        """Facts for the stages that feed this one directly (``ctx.consumer_facts``): the
+        checkpoint stage tells its trainer the cadence it saves at."""
+        return {}
+
+    @classmethod
+    def check(cls, pipeline: "Pipeline", name: str) -> "Iterable[Problem]":
+        """Mistakes between stage ``name`` (of this class) and the others that would only
+        surface at run time: ``validate`` and ``run`` report them at the file's line before
+        anything starts. Read what crosses stages through :meth:`Pipeline.upstream_facts`,
+        :meth:`Pipeline.consumer_facts` and :meth:`Pipeline.fan_in`."""
+        return ()
 
 
 @dataclass
@@ -101,9 +132,20 @@ class StageContext:
     """This stage's state from the latest checkpoint when the run is resumed, else None."""
     resume_checkpoint: str | None = None
     """The checkpoint directory being resumed from (None on a fresh run)."""
+    fan_in: dict[str, int] = field(default_factory=dict)
+    """Input port -> producer ranks feeding each rank of this stage on it: N/M where N producer
+    ranks stream to M ranks of this one, 1 (or absent) when both run on the same ranks."""
+    upstream_facts: dict[str, Any] = field(default_factory=dict)
+    """Facts the stages upstream of this one publish (``Stage.facts_for_consumers``; names in
+    :mod:`dflash_core.facts`): the tokenizer the trainer's export records, for one."""
+    consumer_facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Consumer stage name -> the facts it publishes to this stage (``Stage.facts_for_producers``):
+    the checkpoint stage's cadence, for one."""
     pipeline: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Every stage of the pipeline: ``{name: {"kind", "impl", "params", "after"}}``, so a stage can
-    adapt to its neighbours (the trainer snapshots at the checkpoint stage's cadence)."""
+    """Every stage of the pipeline: ``{name: {"kind", "impl", "params", "after", "ranks"}}``, for
+    information (logs, a plugin's own display). What a stage needs of its neighbours the engine
+    hands it as :attr:`fan_in`, :attr:`upstream_facts` and :attr:`consumer_facts`; :meth:`upstream`
+    names the stage feeding a port from here."""
     summary: dict[str, Any] = field(default_factory=dict)
     """Stage-filled figures (records in/out, tokens, …): stored with the artifact and shown at the end."""
     emitter: Any = None
@@ -132,7 +174,8 @@ class StageContext:
         self.emit(event)
 
     def stages_of_kind(self, kind: str) -> list[dict[str, Any]]:
-        """Entries of :attr:`pipeline` with this kind, in file order."""
+        """Entries of :attr:`pipeline` with this kind, in file order (information: a stage's
+        settings are its own; what crosses stages arrives as facts)."""
         return [dict(v, name=k) for k, v in self.pipeline.items() if v.get("kind") == kind]
 
     def upstream(self, port: str) -> str | None:

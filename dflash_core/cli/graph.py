@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from dflash_core.cli.common import EXIT_OK, add_pipeline_args, console, load
+from dflash_core.vocabulary import Link
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
             spec = pipeline.stages[name]
             lines.append(f'  "{name}" [label="{name}\\n{spec.impl}\\n{spec.device}"];')
         for u, v, data in g.edges(data=True):
-            style = "solid" if data["link"] == "stream" else "dashed"
+            style = "solid" if data["link"] == Link.STREAM else "dashed"
             lines.append(f'  "{u}" -> "{v}" [label="{data["link"]}", style={style}];')
         lines.append("}")
         print("\n".join(lines))

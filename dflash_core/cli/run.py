@@ -82,8 +82,8 @@ def report_interrupt(args: argparse.Namespace, run_dir: str, stopped: Interrupte
     from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
 
     signum, name = stopped.signum, signal.Signals(stopped.signum).name
-    for stage, message, _ in stopped.failures:
-        err_console.print(f"while stopping: stage '{stage}' failed: {message}")
+    for failure in stopped.failures:
+        err_console.print(f"while stopping: stage '{failure.stage}' failed: {failure.message}")
     ckpt, step, done = latest_checkpoint(run_dir), interrupted_at(run_dir), finished_at(run_dir)
     if done is not None:
         err_console.print(f"{name}: training had finished at step {done} ({ckpt})")

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 from dflash_core import Stage, StageContext, hookimpl
 
@@ -115,11 +115,21 @@ class Samples(Stage):
         ctx.summary["samples"] = self.config.n
 
 
+class TwoPartError(Exception):
+    """Built from two arguments but keeps one ``args``: pickle cannot rebuild it."""
+
+    def __init__(self, what: str, index: int) -> None:
+        super().__init__(f"{what} {index}")
+
+
 @dataclass
 class ScaleConfig:
     factor: int = 2
     fail_at: int = -1
     """Raise ValueError on this item index (after writing the time to <run_dir>/raised_at)."""
+    fail_with: Literal["value", "unpicklable"] = "value"
+    """What ``fail_at`` raises: ValueError, or a :class:`TwoPartError` (whose pickle cannot be
+    loaded: what a process executor's failure may be)."""
     kill_at: int = -1
     """SIGKILL the stage's own process on this item index (use with executor: process), after
     writing the time to <run_dir>/killed_at."""
@@ -139,6 +149,8 @@ class Scale(Stage):
             if k == cfg.fail_at:
                 with open(os.path.join(ctx.run_dir, "raised_at"), "w") as f:
                     f.write(repr(time.time()))
+                if cfg.fail_with == "unpicklable":
+                    raise TwoPartError("scale refuses item", k)
                 raise ValueError(f"scale refuses item {k}")
             if k == cfg.kill_at:
                 with open(os.path.join(ctx.run_dir, "killed_at"), "w") as f:

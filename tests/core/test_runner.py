@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_core.artifacts import ArtifactStore
+from dflash_core.events import Failure, StageError, root_cause
+from dflash_core.links import PeerDied, StopRun
 from dflash_core.plugins import PluginManager
 from dflash_core.runner import Refused, Runner, RunFailed
 from dflash_core.runstate import RunRecord
@@ -99,6 +101,54 @@ def test_on_stage_error_hook(dflash_run):
     assert [e["stage"] for e in errors][:1] == ["scale"]
     assert "scale refuses item 3" in str(errors[0]["error"])
     assert "scale" not in [a["stage"] for a in rec.of("after_stage")]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_on_stage_error_receives_the_exception_raised(dflash_run, executor):
+    """The hook gets the stage's own exception, its type kept (across a process too)."""
+    rec = Recorder()
+    with pytest.raises(RunFailed) as info:
+        dflash_run(f"""
+            stages:
+              src:   {{uses: numbers, params: {{n: 10}}}}
+              scale: {{uses: scale, after: src, executor: {executor}, params: {{fail_at: 3}}}}
+        """, plugins=(engine_stages, rec), autoload=False)
+    error = rec.of("on_stage_error")[0]["error"]
+    assert type(error) is ValueError and str(error) == "scale refuses item 3"
+    assert "raise ValueError" in info.value.tb
+
+
+def test_an_exception_that_cannot_cross_processes_keeps_its_type_name_and_traceback(dflash_run):
+    rec = Recorder()
+    with pytest.raises(RunFailed, match="TwoPartError: scale refuses item 3"):
+        dflash_run("""
+            stages:
+              src:   {uses: numbers, params: {n: 10}}
+              scale: {uses: scale, after: src, executor: process,
+                      params: {fail_at: 3, fail_with: unpicklable}}
+        """, plugins=(engine_stages, rec), autoload=False)
+    error = rec.of("on_stage_error")[0]["error"]
+    assert isinstance(error, StageError)
+    assert error.type_name == "tests.core.engine_stages.TwoPartError"
+    assert str(error) == "tests.core.engine_stages.TwoPartError: scale refuses item 3"
+    assert 'raise TwoPartError("scale refuses item", k)' in error.traceback
+
+
+def test_the_root_cause_is_the_failure_that_is_not_a_peer_dying():
+    def failure(stage: str, exc: BaseException) -> Failure:
+        try:
+            raise exc
+        except BaseException as caught:
+            return Failure.of(stage, caught)
+
+    peer = failure("sink", PeerDied("stage 'scale' died without finishing its stream"))
+    try:
+        raise StopRun()
+    except StopRun:
+        wrapped = failure("pool", RuntimeError("worker pool stopped"))  # raised while stopping
+    cause = failure("scale", KeyError("v"))
+    assert root_cause([peer, wrapped, cause]) is cause
+    assert root_cause([peer]) is peer
 
 
 # --------------------------------------------------------------- selection and decisions
