@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dflash_core.devices import torch_device
-from dflash_model.target import compat
+from dflash_model.target import compat, fp8
 from dflash_model.target.layers import text_config
 
 
@@ -50,6 +50,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 QWEN3_PRESET = {"model_type": "qwen3", "vocab_size": 151936, "max_position_embeddings": 40960,
                 "rope_theta": 1e6, "tie_word_embeddings": False}
 """What the presets without a ``model_type`` (the dense Qwen3 shapes) share."""
+FP8_SUFFIX = "-fp8"
+PRESETS.update({f"{name}{FP8_SUFFIX}": {**shape, "quantization_config": fp8.quantization_config()}
+                for name, shape in list(PRESETS.items())})
+"""Each preset also as ``NAME-fp8``: the same random weights in Qwen's block-scaled FP8 format
+(``dflash_model.target.fp8``), what the published Qwen3-*-FP8 checkpoints hold."""
 
 
 class _NoTokenizer:
@@ -63,19 +68,25 @@ class _NoTokenizer:
         return self.vocab_size - 1
 
 
-def random_config(name: str) -> Any:
-    """The HF config ``random:NAME`` builds (a preset or a config.json path): its text model's,
-    so that benchmarks size the drafter from the very config the trainer would see."""
+def random_config_dict(name: str) -> dict[str, Any]:
+    """The config.json content ``random:NAME`` builds from: a preset's or the file's."""
     import json
 
+    if name in PRESETS:
+        return dict(PRESETS[name]) if "model_type" in PRESETS[name] else {**QWEN3_PRESET, **PRESETS[name]}
+    with open(name) as f:
+        return json.load(f)
+
+
+def random_config(name: str) -> Any:
+    """The HF config ``random:NAME`` builds (a preset or a config.json path): its text model's,
+    so that benchmarks size the drafter from the very config the trainer would see. A
+    ``quantization_config`` is left out (``random_target`` applies it to the weights)."""
     from transformers import AutoConfig
 
-    if name in PRESETS:
-        raw = dict(PRESETS[name]) if "model_type" in PRESETS[name] else {**QWEN3_PRESET, **PRESETS[name]}
-    else:
-        with open(name) as f:
-            raw = json.load(f)
+    raw = random_config_dict(name)
     compat.check_target_config(raw, f"{RANDOM_PREFIX}{name}")
+    raw.pop("quantization_config", None)
     return text_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
 
 
@@ -83,10 +94,14 @@ def random_target(spec: str, device: str, torch_dtype: torch.dtype,
                   attn_implementation: str) -> tuple[nn.Module, Any]:
     """``random:qwen3-8b`` (a preset) or ``random:/path/config.json``: real shapes, random weights,
     built directly on the device — for benchmarks at production dimensions. Only the language
-    model is built: a composite checkpoint's config.json (Qwen3.5/3.6) gives its text model."""
+    model is built: a composite checkpoint's config.json (Qwen3.5/3.6) gives its text model. A
+    block-scaled FP8 ``quantization_config`` (the ``-fp8`` presets, an FP8 checkpoint's config.json)
+    quantizes the random weights to that format."""
     from transformers import AutoModelForCausalLM
 
-    cfg = random_config(spec[len(RANDOM_PREFIX):])
+    name = spec[len(RANDOM_PREFIX):]
+    cfg = random_config(name)
+    quant = fp8.fp8_config(random_config_dict(name))
     dev = torch_device(device)
     # the weights are a function of the spec alone: every run, every torchrun rank and a later
     # `evaluate` rebuild the same target, and the caller's RNG streams are left untouched
@@ -96,6 +111,8 @@ def random_target(spec: str, device: str, torch_dtype: torch.dtype,
         with dev:
             lm = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype,
                                                   attn_implementation=attn_implementation)
+    if quant is not None:
+        fp8.quantize_model(lm, quant["weight_block_size"], quant.get("modules_to_not_convert") or ())
     return lm, _NoTokenizer(cfg.vocab_size)
 
 
@@ -131,8 +148,12 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
     else:
         compat.check_checkpoint(model)
         tok = compat.auto_tokenizer(model)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
-                                                  attn_implementation=attn_implementation)
+        quant = fp8.checkpoint_fp8_config(model)
+        if quant is not None:
+            lm = fp8.load_fp8_target(model, quant, torch_dtype, attn_implementation)
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
+                                                      attn_implementation=attn_implementation)
     got = getattr(lm.config, "_attn_implementation", None)
     if attn_implementation == packed_attention.NAME and got != attn_implementation:
         # the mask built for each row follows the implementation: a silent fallback would
