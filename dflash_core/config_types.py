@@ -105,8 +105,37 @@ def _has_default(f: dataclasses.Field) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
+def field_help(f: dataclasses.Field) -> str:
+    """A Config field's help: ``field(metadata={"help": …})``, the one way a stage documents a
+    param. Being data on the field, it is there wherever the class is (no source file needed)."""
+    return str(f.metadata.get("help", ""))
+
+
+def param_help(config_cls: type, path: tuple) -> str:
+    """The help of the param at ``path`` (``("opt", "lr")``; list indices are skipped), through
+    nested dataclasses; empty when the path names no documented field."""
+    found, cls = "", config_cls
+    for key in path:
+        if isinstance(key, int):
+            continue
+        fields = {f.name: f for f in _init_fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if key not in fields:
+            break
+        found = field_help(fields[key])
+        cls = _nested_dataclass(field_types(cls)[key])
+    return found
+
+
+def _nested_dataclass(tp: Any) -> type | None:
+    """The dataclass a field holds (``Inner``, ``Inner | None``), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
 def config_schema(config_cls: type) -> list[ParamInfo]:
-    """``(name, type string, default, doc)`` per init field; ``doc`` from ``metadata={"help": …}``.
+    """``(name, type string, default, help)`` per init field (:func:`field_help`).
 
     A field without default has ``default`` :data:`REQUIRED`.
     """
@@ -122,8 +151,7 @@ def config_schema(config_cls: type) -> list[ParamInfo]:
                 default = REQUIRED
         else:
             default = REQUIRED
-        doc = str(f.metadata.get("help", f.metadata.get("doc", ""))) if f.metadata else ""
-        rows.append(ParamInfo(f.name, type_name(hints[f.name]), default, doc))
+        rows.append(ParamInfo(f.name, type_name(hints[f.name]), default, field_help(f)))
     return rows
 
 

@@ -18,7 +18,8 @@ class ConfigError:
     """One problem at ``file:line:col`` (1-based), with the offending source line.
 
     ``file`` is the pipeline path as given, or ``--set`` for an override (then ``line`` is the
-    1-based index of the override and ``source_line`` its text).
+    1-based index of the override and ``source_line`` its text). ``help`` is what the value at
+    fault means (a param's help), shown under the caret.
     """
 
     file: str
@@ -26,20 +27,22 @@ class ConfigError:
     col: int
     message: str
     source_line: str = ""
+    help: str = ""
 
     @property
     def location(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"
 
     def format(self) -> str:
-        """``file:line:col: message``, then the source line and a caret under the column."""
+        """``file:line:col: message``, then the source line with a caret under the column, and
+        the help of what is at fault."""
         head = f"{self.location}: {self.message}"
-        if not self.source_line.strip():
-            return head
-        src = self.source_line.rstrip("\r\n")
-        # keep tabs so that the caret lines up with the source line however tabs are shown
-        pad = "".join("\t" if ch == "\t" else " " for ch in src[: max(self.col - 1, 0)])
-        return f"{head}\n    {src}\n    {pad}^"
+        if self.source_line.strip():
+            src = self.source_line.rstrip("\r\n")
+            # keep tabs so that the caret lines up with the source line however tabs are shown
+            pad = "".join("\t" if ch == "\t" else " " for ch in src[: max(self.col - 1, 0)])
+            head = f"{head}\n    {src}\n    {pad}^"
+        return f"{head}\n    help: {self.help}" if self.help else head
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}"

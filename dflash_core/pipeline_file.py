@@ -35,10 +35,11 @@ from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
-from dflash_core.config_types import did_you_mean, plain, validate_params
+from dflash_core.config_types import did_you_mean, param_help, plain, validate_params
 from dflash_core.devices import resolve_device
 from dflash_core.errors import ConfigError, PipelineFileError
 from dflash_core.paths import path_fields, resolve_path
+from dflash_core.items import describe, misfit, port_types
 from dflash_core.pipeline import Mark, Pipeline, StageSpec
 from dflash_core.stage import Stage
 from dflash_core.vocabulary import Executor, Link
@@ -94,8 +95,8 @@ class _Loader:
             if item.kind == "scalar" and isinstance(item.value, str) and item.value.strip():
                 item.value = resolve_path(item.value, base)
 
-    def err(self, mark: Mark, message: str) -> None:
-        self.errors.add(mark, message)
+    def err(self, mark: Mark, message: str, help: str = "") -> None:
+        self.errors.add(mark, message, help)
 
     # top level --------------------------------------------------------------------------
     def load(self, root: Node | None) -> Pipeline | None:
@@ -151,7 +152,10 @@ class _Loader:
         self.cross_rank_links(specs, stage_nodes)
         if self.errors or version is None:
             return None
-        return Pipeline(self.path, run_dir, specs, version)
+        pipeline = Pipeline(self.path, run_dir, specs, version)
+        self.port_types(pipeline, stage_nodes)
+        self.stage_checks(pipeline, stage_nodes)
+        return None if self.errors else pipeline
 
     def version(self, node: Node | None, root: Node) -> int | None:
         if node is None:
@@ -501,6 +505,7 @@ class _Loader:
         # whole-mapping problems (missing field, __post_init__) point at the ``params:`` key,
         # or at the stage's key when it has no params
         home = params.at_key if params is not None else node.at_key
+        paths: dict[Mark, tuple] = {}  # mark -> its param: an error there shows the param's help
 
         def mark_of(path: tuple, where: str) -> Mark:
             cur, mark = params, home
@@ -514,6 +519,7 @@ class _Loader:
                 if nxt is None:
                     break
                 cur, mark = nxt, (nxt.at_key if where == "key" or nxt.is_map else nxt.mark)
+            paths[mark] = path if where == "value" else ()
             return mark
 
         if params is not None and params.is_map:
@@ -527,11 +533,32 @@ class _Loader:
             raw[STORAGE] = self.storage
         config, errors = validate_params(cls.Config, raw, mark_of, owner=impl)
         for mark, message in errors:
-            self.err(mark, message)
+            self.err(mark, message, param_help(cls.Config, paths.get(mark, ())))
         if config is None:
             return None, {}
         given = raw if isinstance(raw, dict) else {}
         return config, {k: plain(getattr(config, k)) for k in given if hasattr(config, k)}
+
+    # what crosses stages --------------------------------------------------------------------
+    def port_types(self, pipeline: Pipeline, nodes: dict[str, Node]) -> None:
+        """Each link's producer yields items its consumer's port takes; else an error at the
+        ``after:`` entry, naming both stages and both types."""
+        for name, spec in pipeline.stages.items():
+            ports = port_types(spec.cls)
+            for port, upstream in spec.after.items():
+                up = pipeline.stages[upstream]
+                why = misfit(up.cls.output, ports.get(port))
+                if why and up.cls.output is not None:
+                    self.err(_after_mark(nodes[name], port, upstream),
+                             f"'{upstream}' ({up.impl}) yields {up.cls.output.name}s, but port '{port}' of "
+                             f"'{name}' ({spec.impl}) takes {describe(ports[port])}: {why}")
+
+    def stage_checks(self, pipeline: Pipeline, nodes: dict[str, Node]) -> None:
+        """Each stage's own check of its neighbours (``Stage.check``), at the key it names."""
+        for name, spec in pipeline.stages.items():
+            for problem in spec.cls.check(pipeline, name):
+                node = nodes.get(problem.stage, nodes[name])
+                self.err(_key_mark(node, problem.at), problem.message)
 
     # cycles ------------------------------------------------------------------------------
     def cycles(self, stage_nodes: dict[str, Node]) -> None:
@@ -556,6 +583,30 @@ class _Loader:
             cycle = cycle[i:] + cycle[:i]  # cycle[k] -> cycle[k+1]; `first` consumes cycle[-1]
             path = " -> ".join(cycle + [first])
             self.err(refs[(cycle[-1], first)].mark, f"cycle in 'after': {path}")
+
+
+def _after_mark(node: Node, port: str, upstream: str) -> Mark:
+    """Where a stage's ``after:`` names ``upstream`` (for ``port``)."""
+    after = node.value.get("after")
+    if after is None:
+        return node.at_key
+    if after.is_map:
+        item = after.value.get(port)
+        return item.mark if item is not None else after.at_key
+    if after.kind == "seq":
+        return next((i.mark for i in after.value if i.value == upstream), after.mark)
+    return after.mark
+
+
+def _key_mark(node: Node, path: tuple[str, ...]) -> Mark:
+    """The deepest key of ``path`` (``("params", "every_steps")``) a stage's node has."""
+    mark = node.at_key
+    for key in path:
+        if not node.is_map or key not in node.value:
+            break
+        node = node.value[key]
+        mark = node.at_key
+    return mark
 
 
 # -- entry points --------------------------------------------------------------------------

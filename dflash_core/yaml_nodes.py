@@ -64,10 +64,10 @@ class ErrorList:
         self.sources: dict[str, list[str]] = {}
         self.items: list[ConfigError] = []
 
-    def add(self, mark: Mark, message: str) -> None:
+    def add(self, mark: Mark, message: str, help: str = "") -> None:
         lines = self.sources.get(mark.file, [])
         src = lines[mark.line - 1] if 0 < mark.line <= len(lines) else ""
-        err = ConfigError(mark.file, mark.line, mark.col, message, src)
+        err = ConfigError(mark.file, mark.line, mark.col, message, src, help)
         if err not in self.items:
             self.items.append(err)
 

@@ -20,6 +20,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join, write_json
+from dflash_core.facts import SNAPSHOT_EVERY
+from dflash_core.items import CHECKPOINT, TRAIN_STATE, of_kind
 from dflash_core.paths import PATH_FIELD
 from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
 from dflash_core.retry import call_with_retries
@@ -32,18 +34,26 @@ class CheckpointConfig:
         "help": "complete checkpoints kept in the run dir and at dest"})
     dest: str | None = field(default=None, metadata={**PATH_FIELD,
                                                      "help": "also upload to this URL (s3://…)"})
-    retries: int = 5
-    backoff: float = 0.5
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    retries: int = field(default=5, metadata={"help": "retries of each file's upload after its first attempt"})
+    backoff: float = field(default=0.5, metadata={
+        "help": "first retry's wait in seconds, doubled at each retry (x0.5-1.5 jitter, at most 60 s)"})
+    storage_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "options of dest's fsspec filesystem (s3: endpoint_url, key, secret, client_kwargs...)"})
 
 
 class FsspecCheckpoint(Stage):
     kind = "checkpoint"
     name = "fsspec"
     Config = CheckpointConfig
-    inputs = ("states",)
+    inputs = {"states": TRAIN_STATE}
+    output = CHECKPOINT
     needs_torch = True
     cache_ignore = ("retries", "backoff", "storage_options", "keep_last")
+
+    @classmethod
+    def facts_for_producers(cls, config: CheckpointConfig) -> Mapping[str, Any]:
+        """The cadence is this stage's setting: the trainer snapshots at it."""
+        return {SNAPSHOT_EVERY: config.every_steps}
 
     @classmethod
     def report(cls, summary: dict[str, Any]) -> Any:
@@ -57,9 +67,7 @@ class FsspecCheckpoint(Stage):
         # on --resume, latest.json names the checkpoint the trainer restored
         latest = os.path.basename(ctx.resume_checkpoint.rstrip("/")) if ctx.resume_checkpoint else None
         saved = 0
-        for state in inputs["states"]:
-            if state.get("kind") != "state":
-                continue
+        for state in of_kind(inputs["states"], TRAIN_STATE, ctx.stage, ctx.upstream("states")):
             name = f"step-{state['step']:07d}"
             if name == latest:
                 # the state latest.json names already (the end-of-run state of the step just

@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from dflash_core.items import FILE_ITEM
 from dflash_core.paths import PATH_FIELD
 from dflash_core.retry import call_with_retries, http_status, is_permanent
 from dflash_core.stage import Stage, StageContext
@@ -49,18 +50,19 @@ class _VerifyError(OSError):
 
 @dataclass
 class DownloadConfig:
-    source: str | list[str] = field(metadata=PATH_FIELD)
-    """URL, path or glob, or a list of them (s3://bucket/dir/*.jsonl, gs://…, file:///…, ./data/*.jsonl)."""
-    workers: int = 8
-    """Parallel fetches."""
-    retries: int = 5
-    """Retries per remote call after the first attempt."""
-    backoff: float = 0.5
-    """Base delay in seconds: retry n waits backoff·2^(n-1)·U(0.5, 1.5), at most 60 s."""
-    timeout: float = 60.0
-    """Connect/read timeout in seconds of one request (s3)."""
-    storage_options: dict = field(default_factory=dict)
-    """Passed to the fsspec filesystem (s3: endpoint_url, key, secret, anon, client_kwargs, config_kwargs…)."""
+    source: str | list[str] = field(metadata={
+        **PATH_FIELD, "help": "URL, path or glob, or a list of them (s3://bucket/dir/*.jsonl, gs://…, "
+                              "file:///…, ./data/*.jsonl)."})
+    workers: int = field(default=8, metadata={"help": "Parallel fetches."})
+    retries: int = field(default=5, metadata={
+        "help": "Retries per remote call after the first attempt."})
+    backoff: float = field(default=0.5, metadata={
+        "help": "Base delay in seconds: retry n waits backoff·2^(n-1)·U(0.5, 1.5), at most 60 s."})
+    timeout: float = field(default=60.0, metadata={
+        "help": "Connect/read timeout in seconds of one request (s3)."})
+    storage_options: dict = field(default_factory=dict, metadata={
+        "help": "Passed to the fsspec filesystem (s3: endpoint_url, key, secret, anon, client_kwargs, "
+                "config_kwargs…)."})
 
     def __post_init__(self) -> None:
         if isinstance(self.source, str):
@@ -321,6 +323,7 @@ class FsspecDownload(Stage):
     version = "1"
     Config = DownloadConfig
     inputs = ()
+    output = FILE_ITEM
     default_link = "materialize"
     always_run = True
     cache_ignore = ("workers", "retries", "backoff", "timeout")

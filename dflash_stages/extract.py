@@ -14,27 +14,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from dflash_core import Stage, StageContext
-from dflash_core.rows import PACKED_ROW, checked, feature_row
+from dflash_core.rows import FEATURE_ROW, PACKED_ROW, checked, feature_row
 from dflash_model.fast.compile_gate import GATE
-from dflash_model.fast.settings import check_compile_setting, peak_gib
+from dflash_model.fast.settings import (AttnImplementation, CompileSetting, DtypeName,
+                                        check_compile_setting, peak_gib)
 
 
 @dataclass
 class ExtractConfig:
     model: str = field(metadata={"help": "HF model path or hub name, or 'smollm2' (bundled)"})
-    layers: str | list[int] = field(default="auto", metadata={
-        "help": "target layer ids (0-based decoder layer outputs) or 'auto' (DESIGN rule)"})
+    layers: Literal["auto"] | list[int] = field(default="auto", metadata={
+        "help": "target layer ids (0-based decoder layer outputs), or auto: num_features ids spread "
+                "over the target's layers (docs/drafter.md, 'Math')"})
     num_features: int = field(default=5, metadata={"help": "k layers for layers: auto"})
-    dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
+    dtype: DtypeName = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
     last_hidden: bool = field(default=False, metadata={
         "help": "also return the final hidden state (target_argmax / kl losses)"})
-    attn_implementation: str = field(default="auto", metadata={
+    attn_implementation: AttnImplementation = field(default="auto", metadata={
         "help": "auto = packed_flex on CUDA (flex_attention, document-causal BlockMask), sdpa "
                 "elsewhere; or sdpa / eager (4D mask) / packed_flex"})
-    compile: str = field(default="auto", metadata={
+    compile: CompileSetting = field(default="auto", metadata={
         "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
                 "CUDA) | on | off"})
 
@@ -61,7 +63,8 @@ class HFHooksExtract(Stage):
     name = "hf_hooks"
     preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     Config = ExtractConfig
-    inputs = ("rows",)
+    inputs = {"rows": PACKED_ROW}
+    output = FEATURE_ROW
     needs_torch = True
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:

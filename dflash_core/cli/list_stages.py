@@ -11,7 +11,9 @@ from dflash_core.cli.common import EXIT_CONFIG, EXIT_OK, console, err_console, p
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("list-stages", parents=[common], help="list stage implementations")
+    p = sub.add_parser("list-stages", parents=[common], help="list stage implementations",
+                       description="Stage implementations and their params; with -v, each "
+                                   "param's type, default and help.")
     p.add_argument("kind", nargs="?", help="only this kind")
     p.set_defaults(func=run)
 
@@ -25,10 +27,11 @@ def run(args: argparse.Namespace) -> int:
         err_console.print(f"error: unknown kind '{args.kind}'{did_you_mean(args.kind, kinds)}; "
                           f"kinds: {', '.join(kinds) or 'none'}")
         return EXIT_CONFIG
-    rows = [(f"{kind}:{name}", pm.registry.owner(kind, name), ", ".join(cls.inputs) or "-",
+    chosen = [(key, cls) for key, cls in pm.registry.items() if not args.kind or key[0] == args.kind]
+    rows = [(":".join(key), pm.registry.owner(*key), ", ".join(cls.inputs) or "-",
              cls.default_link, ", ".join(f"{f[0]}: {f[1]} = {f[2]!r}" if len(f) > 2 else str(f[0])
                                          for f in config_schema(cls.Config)))
-            for (kind, name), cls in pm.registry.items() if not args.kind or kind == args.kind]
+            for key, cls in chosen]
     table = Table(title="stage implementations")
     # the uses column is what people type into a pipeline file: never cut, the others wrap
     table.add_column("uses", no_wrap=True, min_width=max((len(r[0]) for r in rows), default=4))
@@ -37,7 +40,23 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if args.verbose:
+        for key, cls in chosen:
+            console.print(params_table(":".join(key), cls.Config))
     failed = pm.failed_plugins()
     if failed:
         console.print(f"{len(failed)} plugin(s) failed to load: see 'dflash-pipe plugins'")
     return EXIT_OK
+
+
+def params_table(uses: str, config_cls: type) -> Table:
+    """One implementation's params: name, type, default and help."""
+    from dflash_core.config_types import config_schema
+
+    table = Table(title=f"{uses} params")
+    table.add_column("param", no_wrap=True)
+    for col in ("type", "default", "help"):
+        table.add_column(col)
+    for row in config_schema(config_cls):
+        table.add_row(row.name, row.type, repr(row.default), row.doc)
+    return table

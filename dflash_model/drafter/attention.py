@@ -7,14 +7,15 @@ flex on CUDA, sdpa otherwise. How flex is tuned (kernel options, tile) is dflash
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 
 from dflash_model.fast.flex import flex_attention_fn
+from dflash_model.fast.settings import AttnBackend
 
-BACKENDS = ("auto", "flex", "sdpa")
+BACKENDS = get_args(AttnBackend)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

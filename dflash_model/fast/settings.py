@@ -1,16 +1,26 @@
 """Switches of the fast paths: whether to compile, whether our Triton kernels can run, and the
-peak memory a stage reports. Torch is imported only inside ``peak_gib``, so stage configs can check
-their ``compile`` setting without it."""
+peak memory a stage reports; and the choices stage configs offer for them, as ``Literal`` types.
+Torch is imported only inside ``peak_gib``, so stage configs are checked without it."""
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Literal, get_args
+
+CompileSetting = Literal["auto", "on", "off"]
+"""``compile:`` of a stage: auto compiles on CUDA only (see :func:`compile_wanted`)."""
+DtypeName = Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
+"""``dtype:`` of a stage's model: auto is bf16 on CUDA, float32 elsewhere."""
+AttnImplementation = Literal["auto", "sdpa", "eager", "packed_flex"]
+"""The target's attention in extract: auto is packed_flex on CUDA, sdpa elsewhere
+(:mod:`dflash_model.target.packed_attention`)."""
+AttnBackend = Literal["auto", "flex", "sdpa"]
+"""The drafter's attention: auto is flex on CUDA, sdpa elsewhere (:mod:`dflash_model.drafter.attention`)."""
 
 
 def check_compile_setting(setting: str) -> None:
     """A stage config's ``compile`` must be auto, on or off (checked before anything runs)."""
-    if setting not in ("auto", "on", "off"):
+    if setting not in get_args(CompileSetting):
         raise ValueError(f"compile must be auto, on or off, got {setting!r}")
 
 

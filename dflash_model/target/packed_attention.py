@@ -19,7 +19,9 @@ dict as already prepared masks). Either way the model builds no mask of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
+
+from dflash_model.fast.settings import AttnImplementation
 
 if TYPE_CHECKING:  # torch is imported where used: the extract config reads this module's names
     import torch  # without paying for torch
@@ -28,7 +30,7 @@ NAME = "packed_flex"
 """The attention implementation name, for ``attn_implementation=`` (after :func:`register`).
 Not "dflash_...": transformers takes any name containing "flash" for a flash-attention kernel
 request and tries to load it from the hub."""
-IMPLEMENTATIONS = ("auto", "sdpa", "eager", NAME)
+IMPLEMENTATIONS = get_args(AttnImplementation)
 """What the extract stage accepts: auto = packed_flex on CUDA, sdpa elsewhere."""
 
 LINEAR_KINDS = ("linear_attention",)

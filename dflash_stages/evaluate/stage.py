@@ -10,38 +10,42 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
+from dflash_core.items import CHECKPOINT, EVAL_REPORT, of_kind
 from dflash_core.paths import PATH_FIELD
 from dflash_core.stage import Stage, StageContext
+from dflash_model.fast.settings import DtypeName
 from dflash_stages.evaluate.drafter import GAP_THRESHOLD, EvaluationError, LosslessError
 from dflash_stages.evaluate.export import evaluate_export
 
 
 @dataclass
 class EvaluateConfig:
-    every: int = 1
-    """Evaluate every N-th checkpoint (and always the final one)."""
-    prompts: str | None = field(default=None, metadata=PATH_FIELD)
-    """JSONL of records (DESIGN §6); default: the held-out set recorded in the export."""
-    num_prompts: int = 16
-    """Prompts used (the first N of the file)."""
-    max_new_tokens: int = 128
-    """Tokens generated per prompt."""
-    target: str | None = None
-    """Target model (path, hub name, smollm2); default: the one recorded in the export."""
-    device: str | None = None
-    """Device of target and drafter; default: the stage's device."""
-    dtype: str = "auto"
-    """Target/drafter dtype: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32."""
-    gap_threshold: float = GAP_THRESHOLD
-    """Flag |τ_sim − τ| / τ_sim above this."""
-    fail_on_gap: bool = False
-    """Also fail the stage when the train/serve gap is flagged (a lossless failure always fails)."""
-    baseline: bool = True
-    """Also measure the n-gram (prompt lookup) baseline."""
-    batch_size: int = 16
-    """Prompts decoded together (one target forward per cycle for all of them; dense targets)."""
-    tie_tolerance: float | None = None
-    """Relative logit gap of a near tie the lossless check tolerates; default by dtype (fp32 1e-4, bf16 5e-2)."""
+    every: int = field(default=1, metadata={
+        "help": "Evaluate every N-th checkpoint (and always the final one)."})
+    prompts: str | None = field(default=None, metadata={
+        **PATH_FIELD, "help": "JSONL of records (DESIGN §6); default: the held-out set recorded in "
+                              "the export."})
+    num_prompts: int = field(default=16, metadata={"help": "Prompts used (the first N of the file)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per prompt."})
+    target: str | None = field(default=None, metadata={
+        "help": "Target model (path, hub name, smollm2); default: the one recorded in the export."})
+    device: str | None = field(default=None, metadata={
+        "help": "Device of target and drafter; default: the stage's device."})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "Target/drafter dtype: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32."})
+    gap_threshold: float = field(default=GAP_THRESHOLD, metadata={
+        "help": "Flag |τ_sim − τ| / τ_sim above this."})
+    fail_on_gap: bool = field(default=False, metadata={
+        "help": "Also fail the stage when the train/serve gap is flagged (a lossless failure always "
+                "fails)."})
+    baseline: bool = field(default=True, metadata={
+        "help": "Also measure the n-gram (prompt lookup) baseline."})
+    batch_size: int = field(default=16, metadata={
+        "help": "Prompts decoded together (one target forward per cycle for all of them; dense "
+                "targets)."})
+    tie_tolerance: float | None = field(default=None, metadata={
+        "help": "Relative logit gap of a near tie the lossless check tolerates; default by dtype "
+                "(fp32 1e-4, bf16 5e-2)."})
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.batch_size < 1:
@@ -62,7 +66,8 @@ class SpecDecodeEvaluate(Stage):
     preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     version = "1"
     Config = EvaluateConfig
-    inputs = ("checkpoints",)
+    inputs = {"checkpoints": CHECKPOINT}
+    output = EVAL_REPORT
     default_link = "stream"
     default_executor = "thread"
     needs_torch = True
@@ -72,9 +77,7 @@ class SpecDecodeEvaluate(Stage):
         device = cfg.device or ctx.device or "cpu"
         targets: dict[str, tuple[Any, Any]] = {}
         seen = 0
-        for item in inputs["checkpoints"]:
-            if not isinstance(item, Mapping) or item.get("kind") != "checkpoint":
-                continue
+        for item in of_kind(inputs["checkpoints"], CHECKPOINT, ctx.stage, ctx.upstream("checkpoints")):
             seen += 1
             if not (item.get("final") or seen % cfg.every == 0):
                 continue
@@ -110,7 +113,7 @@ class SpecDecodeEvaluate(Stage):
             for line in report["warnings"]:
                 ctx.logger.warning("step %s: %s", report["step"], line)
             ctx.progress(1, unit="checkpoints")
-            yield {"kind": "eval_report", **report}
+            yield {"kind": EVAL_REPORT.kind, **report}
             if not report["lossless"]:
                 raise LosslessError(report["warnings"][-1])
             if cfg.fail_on_gap and report["gap_flag"]:

@@ -5,7 +5,8 @@ At 27B and thousands of tokens a completion, regeneration belongs on a serving e
 GPUs and hosts as the user has; they all speak ``POST /v1/chat/completions``. Prompts are read as
 ``generate:hf`` reads them (:func:`dflash_stages.generate.stage.read_prompts`); the server applies
 the chat template, so ``extra_body`` carries what the template reads
-(``chat_template_kwargs: {enable_thinking: true}``). Out, one record per prompt::
+(``chat_template_kwargs: {enable_thinking: true}``). Out, one record per prompt (or ``samples``
+records, named ``<id>#<seed>`` as ``generate:hf`` names them)::
 
     {"id", "messages": [...prompt, {"role": "assistant", "content", "reasoning_content"?}],
      "finish", "tokens", "prompt_tokens", "source", "line"}
@@ -19,7 +20,9 @@ the chat template, so ``extra_body`` carries what the template reads
   tried again; a refused request goes on to another endpoint without counting as a retry. A prompt that still fails, or that the server refuses (another 4xx), is written to
   ``failed.jsonl`` with its reason and counted; it never stops the run. 401/403/404 mean the key,
   model name or URL is wrong for every prompt: the run fails at once.
-* Shards of ``shard_records`` prompts in file order, as in ``generate:hf``: each finished request is
+* Shards of ``shard_records`` prompts in file order, as in ``generate:hf`` (each sample of a shard
+  a file of its own; a prompt's samples are asked one after another, so a server's prefix cache
+  holds the prompt for the next): each finished request is
   appended to its shard's journal at once, and a shard is written (temp file + rename) when all its
   prompts are done. A resumed run reads the finished shards and journals back and sends only the
   other requests, so a killed run loses the requests in flight and no record is written twice.
@@ -42,9 +45,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
+from dflash_core.items import FILE_ITEM
 from dflash_core.retry import call_with_retries
 from dflash_core.stage import Stage, StageContext
-from dflash_stages.generate.stage import Prompt, read_prompts, shard_key, write_atomic
+from dflash_stages.generate.stage import (Prompt, as_sample, check_samples, read_prompts, sample_numbers,
+                                          sample_params, shard_file, shard_key, write_atomic)
 
 OUT_AFTER = 3
 """Failures to reach an endpoint in a row after which it is taken out for a cooldown."""
@@ -56,45 +61,51 @@ FATAL_STATUS = {401: "the API key was refused", 403: "the API key was refused",
                 404: "no such model or path (is the endpoint's path /v1, and the model name the server's?)"}
 
 # params that change what the server answers; the others (where and how fast to ask) do not
-OUTPUT_PARAMS = ("model", "max_tokens", "temperature", "top_p", "seed", "extra_body", "shard_records", "limit")
+OUTPUT_PARAMS = ("model", "max_tokens", "temperature", "top_p", "seed", "samples", "extra_body", "shard_records",
+                 "limit")
 
 
 @dataclass
 class OpenAIGenerateConfig:
-    model: str
-    """The model name the server serves (as ``/v1/models`` lists it), sent with every request."""
-    endpoints: str | list[str] = "http://127.0.0.1:8000/v1"
-    """Base URL(s) of the API, ``http://host:port/v1``; requests are spread over them."""
-    api_key_env: str | None = None
-    """Name of the environment variable holding the API key (sent as ``Authorization: Bearer``);
-    None: no key. The key itself never goes in the pipeline file."""
-    concurrency: int = 64
-    """Requests in flight at once, over all endpoints (the server batches them)."""
-    max_tokens: int = 2048
-    """Longest completion (reasoning included); longer ones are cut (``finish: length``)."""
-    temperature: float = 0.0
-    """0: greedy; above 0: sampling with ``top_p`` and a seed per prompt."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    seed: int | None = 0
-    """Each prompt's request gets ``seed + its index in the input``; None: no seed is sent."""
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    """Fields merged into every request body last, e.g. ``chat_template_kwargs: {enable_thinking: true}``
-    or engine-specific sampling (``top_k``)."""
-    timeout_s: float = 600.0
-    """Longest wait for one whole response; a slower one is abandoned and retried."""
-    retries: int = 6
-    """Retries of a request after its first attempt (429, 5xx, timeouts, dropped connections)."""
-    backoff_s: float = 1.0
-    """First retry's wait; doubled at each retry, ×0.5-1.5 jitter, at most ``max_backoff_s``."""
-    max_backoff_s: float = 60.0
-    """Longest backoff wait (a longer ``Retry-After`` is still honoured)."""
-    endpoint_cooldown_s: float = 30.0
-    """How long a failing endpoint is left out before it is tried again."""
-    shard_records: int = 512
-    """Prompts per output shard."""
-    limit: int | None = None
-    """Use the first N usable prompts only."""
+    model: str = field(metadata={
+        "help": "The model name the server serves (as /v1/models lists it), sent with every "
+                "request."})
+    endpoints: str | list[str] = field(default="http://127.0.0.1:8000/v1", metadata={
+        "help": "Base URL(s) of the API, http://host:port/v1; requests are spread over them."})
+    api_key_env: str | None = field(default=None, metadata={
+        "help": "Name of the environment variable holding the API key (sent as Authorization: "
+                "Bearer); None: no key. The key itself never goes in the pipeline file."})
+    concurrency: int = field(default=64, metadata={
+        "help": "Requests in flight at once, over all endpoints (the server batches them)."})
+    max_tokens: int = field(default=2048, metadata={
+        "help": "Longest completion (reasoning included); longer ones are cut (finish: length)."})
+    temperature: float = field(default=0.0, metadata={
+        "help": "0: greedy; above 0: sampling with top_p and a seed per prompt."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    seed: int | None = field(default=0, metadata={
+        "help": "Each prompt's request gets seed + its index in the input; None: no seed is sent."})
+    samples: int = field(default=1, metadata={
+        "help": "Completions per prompt, each a record of its own; above 1 they must be sampled "
+                "(temperature > 0; SpecForge regenerates at 0.7, top_p 0.95). Sample k is "
+                "asked with the seeds a one-sample run with seed + k sends, and named "
+                "<id>#<seed + k> (<id>#<k> unseeded)."})
+    extra_body: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "Fields merged into every request body last, e.g. chat_template_kwargs: "
+                "{enable_thinking: true} or engine-specific sampling (top_k)."})
+    timeout_s: float = field(default=600.0, metadata={
+        "help": "Longest wait for one whole response; a slower one is abandoned and retried."})
+    retries: int = field(default=6, metadata={
+        "help": "Retries of a request after its first attempt (429, 5xx, timeouts, dropped "
+                "connections)."})
+    backoff_s: float = field(default=1.0, metadata={
+        "help": "First retry's wait; doubled at each retry, ×0.5-1.5 jitter, at most "
+                "max_backoff_s."})
+    max_backoff_s: float = field(default=60.0, metadata={
+        "help": "Longest backoff wait (a longer Retry-After is still honoured)."})
+    endpoint_cooldown_s: float = field(default=30.0, metadata={
+        "help": "How long a failing endpoint is left out before it is tried again."})
+    shard_records: int = field(default=512, metadata={"help": "Prompts per output shard."})
+    limit: int | None = field(default=None, metadata={"help": "Use the first N usable prompts only."})
 
     def __post_init__(self) -> None:
         self.endpoints = [self.endpoints] if isinstance(self.endpoints, str) else list(self.endpoints)
@@ -106,6 +117,7 @@ class OpenAIGenerateConfig:
             raise ValueError("concurrency, max_tokens and shard_records must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        check_samples(self.samples, self.temperature)
         if self.timeout_s <= 0 or self.retries < 0 or self.backoff_s < 0 or self.endpoint_cooldown_s < 0:
             raise ValueError("timeout_s must be > 0; retries, backoff_s and endpoint_cooldown_s >= 0")
         if self.limit is not None and self.limit < 1:
@@ -242,7 +254,8 @@ class OpenAIGenerate(Stage):
     name = "openai"
     version = "1"
     Config = OpenAIGenerateConfig
-    inputs = ("files",)
+    inputs = {"files": FILE_ITEM}
+    output = FILE_ITEM
     default_link = "materialize"
     default_executor = "thread"
 
@@ -256,7 +269,7 @@ class OpenAIGenerate(Stage):
             if not key:
                 raise ValueError(f"generate: the environment variable {cfg.api_key_env} (api_key_env) is not set")
             headers["Authorization"] = f"Bearer {key}"
-        items = file_items(inputs["files"])
+        items = file_items(inputs["files"], ctx.stage, ctx.upstream("files"))
         skipped: dict[str, int] = {}
         with open(os.path.join(ctx.work_dir, "skipped.jsonl"), "w", encoding="utf-8") as skip_file:
             prompts = list(read_prompts(items, lambda msgs: [], cfg.limit, skipped, skip_file))
@@ -264,7 +277,7 @@ class OpenAIGenerate(Stage):
             raise ValueError(f"generate: no usable prompt in {len(items)} file(s); skipped {skipped} "
                              f"(see {os.path.join(ctx.work_dir, 'skipped.jsonl')})")
         params = {k: v for k, v in asdict(cfg).items() if k in OUTPUT_PARAMS}
-        shard_dir = os.path.join(ctx.cache_dir, shard_key(self.version, params, items))
+        shard_dir = os.path.join(ctx.cache_dir, shard_key(self.version, sample_params(params), items))
         os.makedirs(shard_dir, exist_ok=True)
         endpoints = Endpoints(cfg.endpoints, cfg.endpoint_cooldown_s, ctx.logger.warning)
         ctx.logger.info("generate: %d prompts (%d skipped) over %d endpoint(s) -> %s", len(prompts),
@@ -297,28 +310,34 @@ class _Run:
             "endpoints_taken_out": 0, "shards": 0, "resumed_shards": 0, "resumed_records": 0,
             "generate_s": 0.0, "requests_per_s": None, "tokens_per_s": None}
         ctx.summary.update(self.stats)
+        self.numbers = sample_numbers(cfg.seed, cfg.samples)
 
+    # a shard file ``s`` holds one sample (``s % samples``) of one shard's prompts (``s // samples``)
     def path(self, s: int, suffix: str = "") -> str:
-        return os.path.join(self.shard_dir, f"shard-{s:05d}{suffix}.jsonl")
+        N = self.cfg.samples
+        return os.path.join(self.shard_dir, shard_file(s // N, self.numbers[s % N], suffix))
+
+    def size(self, s: int) -> int:
+        """How many records shard file ``s`` holds once whole: its shard's prompts."""
+        first = s // self.cfg.samples * self.cfg.shard_records
+        return len(self.prompts[first:first + self.cfg.shard_records])
 
     def stop(self) -> bool:
         return self.stopping.is_set() or self.ctx.should_stop() or self.ctx.interrupted()
 
     def shards(self) -> Iterator[dict]:
-        """Sends every request not on disk yet and yields each shard, in order, once it is whole."""
-        S, ctx = self.cfg.shard_records, self.ctx
-        n_shards = -(-len(self.prompts) // S)
-        done: list[dict[int, dict]] = []
+        """Sends every request not on disk yet and yields each shard file, in order, once it is whole."""
+        ctx, N = self.ctx, self.cfg.samples
+        n_shards = -(-len(self.prompts) // self.cfg.shard_records) * N
+        done = [{} if os.path.exists(self.path(s)) else _read_journal(self.path(s, ".partial"))
+                for s in range(n_shards)]
         failed: list[list[dict]] = [[] for _ in range(n_shards)]
-        todo: deque[tuple[int, int]] = deque()
-        for s in range(n_shards):
-            size = len(self.prompts[s * S:(s + 1) * S])
-            got = {} if os.path.exists(self.path(s)) else _read_journal(self.path(s, ".partial"))
-            done.append(got)
-            self.stats["resumed_records"] += len(got)
-            todo.extend((s, i) for i in range(size) if i not in got and not os.path.exists(self.path(s)))
-        resumed = len(self.prompts) - len(todo)
-        ctx.progress(0, total=len(self.prompts), unit="requests", start=resumed or None)
+        self.stats["resumed_records"] = sum(len(got) for got in done)
+        # a prompt's samples one after another: the server still holds the prompt's prefix
+        todo = deque((s, i) for first in range(0, n_shards, N) for i in range(self.size(first))
+                     for s in range(first, first + N) if i not in done[s] and not os.path.exists(self.path(s)))
+        resumed = len(self.prompts) * N - len(todo)
+        ctx.progress(0, total=len(self.prompts) * N, unit="requests", start=resumed or None)
         journals: dict[int, Any] = {}
         in_flight: dict[Future, tuple[int, int]] = {}
         pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="generate-openai")
@@ -327,7 +346,7 @@ class _Run:
             while True:
                 while todo and len(in_flight) < self.cfg.concurrency and not self.stop():
                     s, i = todo.popleft()
-                    in_flight[pool.submit(self.ask, s * S + i)] = (s, i)
+                    in_flight[pool.submit(self.ask, s, i)] = (s, i)
                 while next_shard < n_shards and self._whole(next_shard, done, failed):
                     yield self._finish_shard(next_shard, done[next_shard], failed[next_shard], journals)
                     next_shard += 1
@@ -360,10 +379,7 @@ class _Run:
             self._rates()
 
     def _whole(self, s: int, done: list[dict[int, dict]], failed: list[list[dict]]) -> bool:
-        if os.path.exists(self.path(s)):
-            return True
-        size = len(self.prompts[s * self.cfg.shard_records:(s + 1) * self.cfg.shard_records])
-        return len(done[s]) + len(failed[s]) == size
+        return os.path.exists(self.path(s)) or len(done[s]) + len(failed[s]) == self.size(s)
 
     def _finish_shard(self, s: int, got: dict[int, dict], failed: list[dict], journals: dict[int, Any]) -> dict:
         """Writes a whole shard (unless a run before did) and its failures; counts; the item to yield."""
@@ -418,12 +434,15 @@ class _Run:
         except ValueError:
             raise RequestFailed("bad_response", f"not JSON: {payload[:100]!r}", retry=True) from None
 
-    def ask(self, n: int) -> dict:
-        """Prompt ``n``'s record, or its failure record ({id, source, line, reason, detail})."""
-        p, cfg = self.prompts[n], self.cfg
+    def ask(self, s: int, i: int) -> dict:
+        """The record of prompt ``i`` of shard file ``s``, or its failure record ({id, source, line,
+        reason, detail}); sample k of prompt n is asked with seed ``seed + k + n``."""
+        cfg, k = self.cfg, s % self.cfg.samples
+        n = s // cfg.samples * cfg.shard_records + i
+        p, number = self.prompts[n], self.numbers[k]
         body = {"model": cfg.model, "messages": p.messages, "max_tokens": cfg.max_tokens,
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "stream": False,
-                **({} if cfg.seed is None else {"seed": cfg.seed + n}), **cfg.extra_body}
+                **({} if cfg.seed is None else {"seed": cfg.seed + k + n}), **cfg.extra_body}
         data = json.dumps(body, ensure_ascii=False).encode()
 
         def attempt() -> dict:
@@ -431,17 +450,17 @@ class _Run:
             endpoint costs a prompt a retry only once every endpoint has refused it)."""
             refused: set[int] = set()
             while True:
-                i = self.endpoints.acquire(self.stop, refused)
+                e = self.endpoints.acquire(self.stop, refused)
                 error = None
                 try:
-                    return assistant_record(p, self._post(self.endpoints.urls[i], data))
+                    return as_sample(assistant_record(p, self._post(self.endpoints.urls[e], data)), number)
                 except RequestFailed as exc:
                     error = exc
                     if not exc.endpoint_down:
                         raise
                 finally:
-                    self.endpoints.release(i, error)
-                refused.add(i)
+                    self.endpoints.release(e, error)
+                refused.add(e)
                 if len(refused) == len(self.endpoints.urls):
                     raise error
 
@@ -456,7 +475,8 @@ class _Run:
                                        stop=self.stop, on_retry=on_retry, max_delay=cfg.max_backoff_s,
                                        wait_at_least=lambda e: getattr(e, "retry_after", None))
         except RequestFailed as exc:
-            return {"id": p.id, "source": p.source, "line": p.line, "reason": exc.reason, "detail": str(exc)[:300]}
+            return as_sample({"id": p.id, "source": p.source, "line": p.line, "reason": exc.reason,
+                              "detail": str(exc)[:300]}, number)
         finally:
             with self.lock:
                 self.stats["requests"] += 1

@@ -10,17 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.rows import packed_row, producer_fields
+from dflash_core.rows import PACKED_ROW, packed_row, producer_fields
 
 
 @dataclass
 class RandomRowsConfig:
     rows: int = field(default=16, metadata={"help": "rows per rank"})
-    tokens_per_row: int = 8192
-    docs_per_row: int = 3
+    tokens_per_row: int = field(default=8192, metadata={"help": "tokens in each row"})
+    docs_per_row: int = field(default=3, metadata={"help": "documents of equal length in each row"})
     prompt_fraction: float = field(default=0.1, metadata={"help": "unsupervised head of each doc"})
-    vocab_size: int = 32000
-    seed: int = 0
+    vocab_size: int = field(default=32000, metadata={"help": "token ids are drawn from 0 to this"})
+    seed: int = field(default=0, metadata={"help": "with the row's index, seeds its tokens"})
 
 
 def random_row(cfg: RandomRowsConfig, index: int) -> dict[str, Any]:
@@ -45,6 +45,7 @@ class RandomRows(Stage):
     name = "random"
     Config = RandomRowsConfig
     inputs = ()
+    output = PACKED_ROW
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         start = int((ctx.resume_state or {}).get("position", 0))

@@ -1,37 +1,44 @@
 """pack:best_fit — tokenized samples → rows of at most ``tokens_per_row`` tokens, resumable.
 
-The packing itself lives in :mod:`dflash_stages.pack.packing` (numpy/pyarrow only); this module is the
-stage: it builds the sample index from the tokenize shards, restores the cursor from
-``ctx.resume_state`` and yields this rank's rows for every epoch.
+The packing itself lives in :mod:`dflash_stages.pack.packing` (numpy only); this module is the
+stage: it builds the sample index (:mod:`dflash_core.samples`) from the tokenize shards,
+restores the cursor from ``ctx.resume_state`` and yields this rank's rows for every epoch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
 
-from dflash_core.rows import producer_fields
+from dflash_core.facts import MAX_SAMPLE_TOKENS
+from dflash_core.items import SAMPLE_SOURCES, checked
+from dflash_core.pipeline import Pipeline, Problem
+from dflash_core.rows import PACKED_ROW, producer_fields
+from dflash_core.samples import SampleIndex
 from dflash_core.stage import Stage, StageContext
-from dflash_stages.pack.packing import BestFitPacker, PackError, SampleIndex
+from dflash_stages.pack.packing import BestFitPacker, PackError
 
 __all__ = ["PackConfig", "BestFitPack", "PackError"]
 
 
 @dataclass
 class PackConfig:
-    tokens_per_row: int = 8192
-    """Row capacity in tokens; a sample longer than this is an error (tokenize max_len should prevent it)."""
-    shuffle_window: int = 10000
-    """Samples per best-fit window (after the per-epoch shuffle); bounds memory and locality."""
-    seed: int = 0
-    epochs: int = 1
-    drop_last: bool = False
-    """Equal rows per rank: True drops the last R mod world_size rows of an epoch, False repeats
-    the epoch's first rows to fill the last round."""
-    pad_to: int = 0
-    """0: rows keep their length; else pad each row (pad_token_id, loss_mask 0) to a multiple of this."""
-    pad_token_id: int = 0
+    tokens_per_row: int = field(default=8192, metadata={
+        "help": "Row capacity in tokens; a sample longer than this is an error (tokenize max_len "
+                "should prevent it)."})
+    shuffle_window: int = field(default=10000, metadata={
+        "help": "Samples per best-fit window (after the per-epoch shuffle); bounds memory and "
+                "locality."})
+    seed: int = field(default=0, metadata={"help": "with the epoch, seeds the shuffle of the samples"})
+    epochs: int = field(default=1, metadata={"help": "passes over the samples, each shuffled anew"})
+    drop_last: bool = field(default=False, metadata={
+        "help": "Equal rows per rank: True drops the last R mod world_size rows of an epoch, False "
+                "repeats the epoch's first rows to fill the last round."})
+    pad_to: int = field(default=0, metadata={
+        "help": "0: rows keep their length; else pad each row (pad_token_id, loss_mask 0) to a "
+                "multiple of this."})
+    pad_token_id: int = field(default=0, metadata={"help": "token id of the padding pad_to adds"})
 
     def __post_init__(self) -> None:
         if self.tokens_per_row < 1:
@@ -54,13 +61,28 @@ class BestFitPack(Stage):
     name = "best_fit"
     version = "1"
     Config = PackConfig
-    inputs = ("samples",)
+    inputs = {"samples": SAMPLE_SOURCES}
+    output = PACKED_ROW
     default_link = "stream"
+
+    @classmethod
+    def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
+        """A sample longer than a row cannot be packed: refuse a tokenize upstream whose longest
+        sample exceeds ``tokens_per_row`` before anything runs (the packer would at its start)."""
+        cfg: PackConfig = pipeline.stages[name].config
+        longest = pipeline.upstream_facts(name).get(MAX_SAMPLE_TOKENS)
+        if longest is None or longest <= cfg.tokens_per_row:
+            return ()
+        upstream = pipeline.stages[name].after["samples"]
+        return [Problem(name, f"'{upstream}' upstream of '{name}' yields samples of up to {longest} tokens, "
+                              f"longer than a row of '{name}' (tokens_per_row={cfg.tokens_per_row}): set "
+                              f"tokenize max_len <= {cfg.tokens_per_row} or raise tokens_per_row",
+                        ("params", "tokens_per_row"))]
 
     def run(self, inputs: Mapping[str, Any], ctx: StageContext) -> Iterator[dict]:
         cfg: PackConfig = self.config
         t0 = time.monotonic()
-        index = SampleIndex.build(inputs["samples"])
+        index = SampleIndex.build(checked(inputs["samples"], SAMPLE_SOURCES, ctx.stage, ctx.upstream("samples")))
         try:
             packer = BestFitPacker(index, tokens_per_row=cfg.tokens_per_row,
                                    shuffle_window=cfg.shuffle_window, seed=cfg.seed,

@@ -19,9 +19,11 @@ import json
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterator, Literal, Mapping
+from typing import Any, Generator, Iterator, Literal, Mapping, get_args
 
+from dflash_core import facts
 from dflash_core.artifacts import write_json
+from dflash_core.items import FILE_ITEM, SAMPLE_SHARD, checked
 from dflash_core.stage import Stage, StageContext
 from dflash_stages.tokenize.output import (ShardWriter, check_invariant, check_some_kept, join, merge,
                                            new_stats, stats_table)
@@ -31,6 +33,9 @@ __all__ = ["ChatTemplateTokenize", "TokenizeConfig", "stats_table"]
 _BATCH_BYTES = 32 << 20
 
 
+Overflow = Literal["truncate", "drop"]
+
+
 @dataclass
 class TokenizeConfig:
     tokenizer: str = field(metadata={"help": "HF tokenizer path or hub name with a chat template; "
@@ -38,7 +43,7 @@ class TokenizeConfig:
     thinking: bool = field(default=True, metadata={
         "help": "render as served with enable_thinking=<this>; off: reasoning is dropped"})
     max_len: int = field(default=4096, metadata={"help": "longest sample in tokens"})
-    overflow: Literal["truncate", "drop"] = field(default="drop", metadata={
+    overflow: Overflow = field(default="drop", metadata={
         "help": "samples longer than max_len: cut to max_len, or drop (counted as too_long)"})
     min_loss_tokens: int = field(default=1, metadata={
         "help": "drop samples with fewer supervised tokens (counted as min_loss_tokens)"})
@@ -54,7 +59,7 @@ class TokenizeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
             raise ValueError("tokenizer must be a path or hub name")
-        if self.overflow not in ("truncate", "drop"):
+        if self.overflow not in get_args(Overflow):
             raise ValueError("overflow must be 'truncate' or 'drop'")
         if self.max_len < 1 or self.batch_size < 1 or self.shard_samples < 1:
             raise ValueError("max_len, batch_size and shard_samples must be >= 1")
@@ -68,15 +73,11 @@ class TokenizeConfig:
             raise ValueError("set thinking: instead of chat_template_kwargs.enable_thinking")
 
 
-def file_items(items: Any) -> list[dict]:
-    """Upstream file items (download's, generate's) with a 'path', in a stable order: by source."""
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            item = {"path": item}
-        if not isinstance(item, Mapping) or not isinstance(item.get("path"), str):
-            raise ValueError(f"expected file items with a 'path', got {item!r:.200}")
-        out.append(dict(item))
+def file_items(items: Any, consumer: str, producer: str | None) -> list[dict]:
+    """Upstream file items (download's, generate's; a bare path is one too), checked where they
+    enter stage ``consumer``, in a stable order: by source."""
+    paths = ({"path": item} if isinstance(item, str) else item for item in items)
+    out = [dict(item) for item in checked(paths, FILE_ITEM, consumer, producer)]
     return sorted(out, key=lambda it: (str(it.get("source") or it["path"]), it["path"]))
 
 
@@ -88,10 +89,19 @@ class ChatTemplateTokenize(Stage):
     preload = ("transformers:AutoTokenizer", "transformers:AutoModelForCausalLM")
     version = "1"
     Config = TokenizeConfig
-    inputs = ("files",)
+    inputs = {"files": FILE_ITEM}
+    output = SAMPLE_SHARD
     default_link = "materialize"
     default_executor = "thread"
     cache_ignore = ("workers", "batch_size")
+
+    @classmethod
+    def facts_for_consumers(cls, config: TokenizeConfig) -> Mapping[str, Any]:
+        """How the samples were made (an export records it) and how long one can be (pack's rows
+        must hold it)."""
+        return {facts.TOKENIZER: config.tokenizer, facts.THINKING: config.thinking,
+                facts.CHAT_TEMPLATE_KWARGS: dict(config.chat_template_kwargs),
+                facts.MAX_SAMPLE_TOKENS: config.max_len}
 
     @classmethod
     def report(cls, summary: dict[str, Any]) -> Any:
@@ -101,7 +111,7 @@ class ChatTemplateTokenize(Stage):
         import fsspec
 
         cfg: TokenizeConfig = self.config
-        items = file_items(inputs["files"])
+        items = file_items(inputs["files"], ctx.stage, ctx.upstream("files"))
         fs, root = fsspec.core.url_to_fs(ctx.work_dir)
         fs.makedirs(root, exist_ok=True)
         stats = new_stats(cfg)

@@ -12,38 +12,45 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from dflash_core import StageContext
 from dflash_core.artifacts import join
 from dflash_core.paths import PATH_FIELD
-from dflash_model.fast.settings import check_compile_setting
+from dflash_model.fast.settings import AttnBackend, CompileSetting, DtypeName, check_compile_setting
 
-ADAMW_KERNELS = ("auto", "triton", "torch")
+AdamWKernel = Literal["auto", "triton", "torch"]
+ADAMW_KERNELS = get_args(AdamWKernel)
+LossTarget = Literal["data", "target_argmax", "kl"]
+FlexTile = Literal["auto", 16, 32, 64, 128]
 
 
 @dataclass
 class DrafterAttention:
     """Explicit draft-layer attention, over what ``drafter_shape`` chose (unset fields keep it)."""
 
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_attention_heads: int | None = field(default=None, metadata={"help": "query heads"})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "key/value heads (GQA)"})
+    head_dim: int | None = field(default=None, metadata={"help": "size of one head"})
     rope_theta: float | None = field(default=None, metadata={
         "help": "plain full-rotary RoPE at this base (replaces the chosen RoPE)"})
 
 
 @dataclass
 class TrainConfig:
-    num_layers: int = 5
-    block_size: int = 16
+    """The drafter's shape, the optimizer and schedule, and how the step is computed."""
+
+    num_layers: int = field(default=5, metadata={"help": "draft layers"})
+    block_size: int = field(default=16, metadata={
+        "help": "tokens per block: the anchor and the block_size - 1 tokens drafted after it"})
     num_anchors: int = field(default=512, metadata={"help": "anchors (blocks) per row"})
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
+    lr: float = field(default=6e-4, metadata={"help": "peak AdamW learning rate"})
+    warmup_ratio: float = field(default=0.04, metadata={
+        "help": "share of the steps spent warming up linearly, before the cosine decay to 0"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's decoupled weight decay"})
     grad_clip: float | None = field(default=1.0, metadata={
         "help": "clip gradients to this global L2 norm; null or 0 = no clip"})
-    adamw_kernel: str = field(default="auto", metadata={
+    adamw_kernel: AdamWKernel = field(default="auto", metadata={
         "help": "AdamW step: triton (CUDA; fewer passes over the weights than torch's) | torch (fused) | "
                 "auto = triton when the drafter is on CUDA and triton is installed"})
     master_weights: bool = field(default=True, metadata={
@@ -53,9 +60,13 @@ class TrainConfig:
     total_steps: int | None = field(default=None, metadata={
         "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
                 "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
-    dtype: str = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
-    loss_target: str = field(default="data", metadata={"help": "data | target_argmax | kl"})
-    gamma: float | None = None
+    dtype: DtypeName = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
+    loss_target: LossTarget = field(default="data", metadata={
+        "help": "what each slot learns: data = the row's own tokens; target_argmax = the target's "
+                "greedy token; kl = the target's distribution (both need extract's last_hidden)"})
+    gamma: float | None = field(default=None, metadata={
+        "help": "decay of the loss weight along the block, exp(-(k-1)/gamma) for slot k; default "
+                "by block size (7 for 16, 5 for 10, 4 for 8)"})
     mask_token_id: int | None = field(default=None, metadata={
         "help": "default: the published drafter's for the target's family (drafter_shape), else "
                 "the first unused embedding row of the target"})
@@ -71,23 +82,26 @@ class TrainConfig:
         **PATH_FIELD, "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
                 "random weights; its hidden size, vocab, target layers, block size and layer count "
                 "must match this run"})
-    attn_backend: str = "auto"
-    seed: int = 0
-    log_every: int = 10
+    attn_backend: AttnBackend = field(default="auto", metadata={
+        "help": "the draft layers' attention: flex (flex_attention, a block mask) | sdpa (a dense "
+                "mask) | auto = flex on CUDA, sdpa elsewhere"})
+    seed: int = field(default=0, metadata={"help": "weights' initialisation and anchor draws"})
+    log_every: int = field(default=10, metadata={
+        "help": "steps per metrics record (log line, metrics.jsonl, TensorBoard)"})
     checkpoint_every: int = field(default=0, metadata={
         "help": "snapshot cadence; 0 = the checkpoint stage's every_steps"})
     chunk_rows: int = field(default=4096, metadata={
         "help": "LM-head rows per loss chunk: memory (a [chunk, vocab] block of logits) vs the LM head's "
                 "re-reads, one per chunk (4096: 2 chunks a row at 512 anchors x 16)"})
-    compile: str = field(default="auto", metadata={
+    compile: CompileSetting = field(default="auto", metadata={
         "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
         **PATH_FIELD, "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
-    flex_kernel_options: dict[str, Any] | str | None = field(default="auto", metadata={
+    flex_kernel_options: dict[str, Any] | Literal["auto"] | None = field(default="auto", metadata={
         "help": "Triton options for the drafter's flex attention (e.g. bwd_BLOCK_M1): auto = the ones "
                 "measured fastest on this GPU kind if known (benchmarks/flex_tune.py), null = torch's "
                 "defaults, or a mapping"})
-    flex_tile: int | str = field(default="auto", metadata={
+    flex_tile: FlexTile = field(default="auto", metadata={
         "help": "the flex attention BlockMask's tile (a power of two, 16-128): auto = the one measured "
                 "fastest on this GPU kind if known and torch allows it, else 128"})
     pad_anchors: bool = field(default=True, metadata={
@@ -98,14 +112,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
             self.drafter_attention = DrafterAttention(**self.drafter_attention)
-        if self.loss_target not in ("data", "target_argmax", "kl"):
+        if self.loss_target not in get_args(LossTarget):
             raise ValueError("loss_target must be data, target_argmax or kl")
         check_compile_setting(self.compile)
         if self.adamw_kernel not in ADAMW_KERNELS:  # (optim.KERNELS, named here so configs load without torch)
             raise ValueError(f"adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}, got {self.adamw_kernel!r}")
         if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
-        if self.flex_tile != "auto" and (isinstance(self.flex_tile, bool) or self.flex_tile not in (16, 32, 64, 128)):
+        if isinstance(self.flex_tile, bool) or self.flex_tile not in get_args(FlexTile):
             raise ValueError(f"flex_tile must be auto, 16, 32, 64 or 128, got {self.flex_tile!r}")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, Mapping
 
 from dflash_core import Stage, StageContext, hookimpl
@@ -61,14 +61,14 @@ def _where(ctx: StageContext) -> None:
 class NumbersConfig:
     n: int = 10
     start: int = 0
-    forever: bool = False
-    """Ignore ``n`` and yield until the runner stops the stage (never checks should_stop)."""
+    forever: bool = field(default=False, metadata={
+        "help": "Ignore n and yield until the runner stops the stage (never checks should_stop)."})
     delay: float = 0.0
     trace: str = ""
-    pad: int = 0
-    """Add a ``pad`` string of this many bytes to each item (big items fill OS pipes)."""
-    json_safe: bool = True
-    """False: ``v`` is a set, which a materialized link cannot store."""
+    pad: int = field(default=0, metadata={
+        "help": "Add a pad string of this many bytes to each item (big items fill OS pipes)."})
+    json_safe: bool = field(default=True, metadata={
+        "help": "False: v is a set, which a materialized link cannot store."})
 
 
 class Numbers(Stage):
@@ -125,14 +125,14 @@ class TwoPartError(Exception):
 @dataclass
 class ScaleConfig:
     factor: int = 2
-    fail_at: int = -1
-    """Raise ValueError on this item index (after writing the time to <run_dir>/raised_at)."""
-    fail_with: Literal["value", "unpicklable"] = "value"
-    """What ``fail_at`` raises: ValueError, or a :class:`TwoPartError` (whose pickle cannot be
-    loaded: what a process executor's failure may be)."""
-    kill_at: int = -1
-    """SIGKILL the stage's own process on this item index (use with executor: process), after
-    writing the time to <run_dir>/killed_at."""
+    fail_at: int = field(default=-1, metadata={
+        "help": "Raise ValueError on this item index (after writing the time to <run_dir>/raised_at)."})
+    fail_with: Literal["value", "unpicklable"] = field(default="value", metadata={
+        "help": "What fail_at raises: ValueError, or a TwoPartError (whose pickle cannot "
+                "be loaded: what a process executor's failure may be)."})
+    kill_at: int = field(default=-1, metadata={
+        "help": "SIGKILL the stage's own process on this item index (use with executor: process), "
+                "after writing the time to <run_dir>/killed_at."})
     delay: float = 0.0
 
 
@@ -164,11 +164,11 @@ class Scale(Stage):
 
 @dataclass
 class CollectConfig:
-    delay: float = 0.0
-    """Seconds spent on each item (a slow consumer)."""
+    delay: float = field(default=0.0, metadata={
+        "help": "Seconds spent on each item (a slow consumer)."})
     trace: str = ""
-    take: int = -1
-    """Stop after this many items without reading the rest (0: read nothing); -1: read all."""
+    take: int = field(default=-1, metadata={
+        "help": "Stop after this many items without reading the rest (0: read nothing); -1: read all."})
 
 
 class Collect(Stage):

@@ -7,6 +7,7 @@ a real interpreter exit (a killed stage process) run ``python -m dflash_core.cli
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -246,6 +247,31 @@ def test_list_stages_of_an_unknown_kind_is_an_error(cli):
     res = cli("list-stages", "pack")
     assert res.code == 0 and res.lines_with("pack:best_fit") and not res.lines_with("train:dflash")
 
+
+
+def test_list_stages_verbose_shows_each_params_help(cli):
+    from dflash_stages.generate.openai_api import OpenAIGenerateConfig
+    from dflash_stages.generate.stage import GenerateConfig
+
+    res = cli("list-stages", "generate", "-v")
+    assert res.code == 0, res.text
+    for uses, config in (("generate:hf", GenerateConfig), ("generate:openai", OpenAIGenerateConfig)):
+        table = res.out[res.out.index(f"{uses} params"):]
+        for f in dataclasses.fields(config):
+            opening = " ".join(f.metadata["help"].split()[:4])
+            assert re.search(rf"│ {f.name} +│.*│ {re.escape(opening)}", table), (uses, f.name)
+
+
+def test_validate_names_a_choice_params_allowed_values_and_its_help(cli, write_pipeline):
+    path = write_pipeline("""
+        stages:
+          train: {uses: dflash, params: {loss_target: argmax}}
+    """)
+    res = cli("validate", path)
+    assert res.code == 2, res.text
+    assert (f"{path}:5:47: param 'loss_target' must be one of 'data', 'target_argmax', 'kl', "
+            "got str 'argmax'") in res.err
+    assert "    help: what each slot learns: data = the row's own tokens;" in res.err
 
 FOREIGN = '''
 from dataclasses import dataclass

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import pytest
 
-from dflash_core.config_types import REQUIRED, config_schema, plain, type_name, validate_params
+from dflash_core.config_types import (REQUIRED, config_schema, field_types, param_help, plain, type_name,
+                                      validate_params)
+from dflash_core.errors import ConfigError
 
 
 class Color(enum.Enum):
@@ -157,3 +161,47 @@ def test_config_schema():
     assert rows["inner"].type == "Inner" and rows["inner"].default == Inner()
     assert repr(REQUIRED) == "required"
     assert type_name(Optional[list[int]]) == "list[int] | None"
+
+
+@dataclass
+class Opt:
+    lr: float = field(default=1e-3, metadata={"help": "step size"})
+
+
+@dataclass
+class Helped:
+    opt: Opt | None = field(default=None, metadata={"help": "the optimizer"})
+    layers: list[int] = field(default_factory=list, metadata={"help": "layer ids"})
+
+
+def test_param_help_follows_nested_dataclasses_and_skips_list_indices():
+    assert param_help(Helped, ("opt", "lr")) == "step size"
+    assert param_help(Helped, ("opt",)) == "the optimizer"
+    assert param_help(Helped, ("layers", 2)) == "layer ids"
+    assert param_help(Helped, ("nope",)) == "" and param_help(Helped, ()) == ""
+
+
+def test_a_config_error_shows_the_help_under_the_caret():
+    err = ConfigError("p.yaml", 3, 7, "param 'lr' must be float", "  lr: fast", "step size")
+    assert err.format() == ("p.yaml:3:7: param 'lr' must be float\n      lr: fast\n          ^\n"
+                            "    help: step size")
+    assert str(err) == "p.yaml:3:7: param 'lr' must be float"
+
+
+def test_every_built_in_stage_param_has_help():
+    """The one convention: field(metadata={"help": ...}), which list-stages -v and validate show."""
+    from dflash_core.plugins import PluginManager
+
+    def undocumented(cls: type, prefix: str = "") -> list[str]:
+        out = []
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("help"):
+                out.append(prefix + f.name)
+            inner = [t for t in (field_types(cls)[f.name], *typing.get_args(field_types(cls)[f.name]))
+                     if dataclasses.is_dataclass(t)]
+            out += [n for t in inner for n in undocumented(t, f"{prefix}{f.name}.")]
+        return out
+
+    missing = {":".join(key): undocumented(cls.Config)
+               for key, cls in PluginManager(autoload=False).registry.items()}
+    assert not any(missing.values()), missing

@@ -1,18 +1,21 @@
-"""Two stages written against the public dflash-pipe API (``dflash_core``) and the built-in
-reader of tokenize's output (``dflash_stages.pack.packing.SampleIndex``)."""
+"""Two stages written against the public dflash-pipe API (``dflash_core``) alone: the stage
+contract, the item types of their links (``dflash_core.items``, ``dflash_core.rows``) and the
+reader of tokenize's sample shards (``dflash_core.samples``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext, hookimpl
-from dflash_core.rows import packed_row, producer_fields
+from dflash_core.items import SAMPLE_SOURCES, checked
+from dflash_core.rows import PACKED_ROW, packed_row, producer_fields
 
 
 @dataclass
 class SequentialConfig:
-    tokens_per_row: int = 8192
+    tokens_per_row: int = field(default=8192, metadata={
+        "help": "row capacity in tokens; a longer sample is an error"})
 
 
 class SequentialPack(Stage):
@@ -27,12 +30,13 @@ class SequentialPack(Stage):
     kind = "pack"
     name = "sequential"
     Config = SequentialConfig
-    inputs = ("samples",)
+    inputs = {"samples": SAMPLE_SOURCES}  # tokenize's shards, or inline samples
+    output = PACKED_ROW
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
-        from dflash_stages.pack.packing import SampleIndex  # tokenize's shards, or inline samples
+        from dflash_core.samples import SampleIndex  # numpy and pyarrow: only when a run reads samples
 
-        index = SampleIndex.build(inputs["samples"])
+        index = SampleIndex.build(checked(inputs["samples"], SAMPLE_SOURCES, ctx.stage, ctx.upstream("samples")))
         try:
             rows = _row_samples(index.lengths.tolist(), self.config.tokens_per_row)
             start = int((ctx.resume_state or {}).get("position", 0))
@@ -70,13 +74,13 @@ class LengthHistogram(Stage):
 
     kind = "lengths"
     name = "histogram"
-    inputs = ("samples",)
+    inputs = {"samples": SAMPLE_SOURCES}
     default_link = "materialize"
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
-        from dflash_stages.pack.packing import SampleIndex
+        from dflash_core.samples import SampleIndex  # numpy and pyarrow: only when a run reads samples
 
-        index = SampleIndex.build(inputs["samples"])
+        index = SampleIndex.build(checked(inputs["samples"], SAMPLE_SOURCES, ctx.stage, ctx.upstream("samples")))
         buckets: dict[int, int] = {}
         for n in index.lengths.tolist():
             bucket = 1 << max(n - 1, 0).bit_length()
