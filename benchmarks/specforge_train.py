@@ -37,6 +37,7 @@ from functools import cached_property
 from typing import Any
 
 from dflash_core import Stage, StageContext, hookimpl
+from dflash_core.facts import tokenizer_metadata
 from dflash_core.rows import FEATURE_ROW, TARGET_HEADER, check_fields, checked, is_target_header
 
 
@@ -151,7 +152,7 @@ class SpecForgeTrain(Stage):
     kind = "train"
     name = "specforge"
     Config = SpecForgeConfig
-    inputs = ("features",)
+    inputs = {"features": FEATURE_ROW}
     needs_torch = True
 
     @classmethod
@@ -288,11 +289,9 @@ class SpecForgeTrain(Stage):
         state = {k: v.detach().float().cpu() for k, v in draft.state_dict().items()
                  if not k.startswith("rotary_emb.")}
         ours.load_state_dict(state, strict=True)
-        tok = (ctx.stages_of_kind("tokenize") or [{"params": {}}])[0]["params"]
         dest = self.config.export if os.path.isabs(self.config.export) else os.path.join(ctx.work_dir, self.config.export)
         export_drafter(ours, dest, extra_metadata={
-            "target": target, "tokenizer": tok.get("tokenizer"), "thinking": tok.get("thinking"),
-            "chat_template_kwargs": tok.get("chat_template_kwargs") or {}, "heldout": self.config.heldout,
+            "target": target, **tokenizer_metadata(ctx.upstream_facts), "heldout": self.config.heldout,
             "trainer": "specforge", "step": log[-1]["step"]})
         return dest
 

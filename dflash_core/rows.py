@@ -17,70 +17,50 @@ its rows are marked ``kind: "row"``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from dflash_core.items import KIND, Field, ItemError, ItemType, check_fields, source_of
 
-KIND = "kind"
-"""The key that marks an item of a stream as a row or something else (extract's target header)."""
 ROW_KIND = "row"
 TARGET_KIND = "target"
+HOME = "dflash_core.rows, docs/pack.md"
+
+RowError = ItemError
+"""A row is missing fields, or its per-token fields disagree in length (the name rows.py gave
+:class:`~dflash_core.items.ItemError` before every link had a type)."""
 
 
-@dataclass(frozen=True)
-class RowField:
-    name: str
-    meaning: str
-
-
-@dataclass(frozen=True)
-class RowSchema:
-    """The fields a kind of row must carry (more are allowed and passed along)."""
-
-    name: str
-    fields: tuple[RowField, ...]
-    optional: tuple[RowField, ...] = ()
-    """Fields a consumer reads when present (not checked)."""
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields)
-
-    def extend(self, name: str, *fields: RowField, optional: tuple[RowField, ...] = ()) -> "RowSchema":
-        return RowSchema(name, self.fields + fields, self.optional + optional)
-
-
-PACKED_ROW = RowSchema("packed row", (
-    RowField("input_ids", "int [T]: the row's tokens, documents back to back"),
-    RowField("loss_mask", "0/1 [T]: tokens the drafter is trained to predict"),
-    RowField("position_ids", "int [T]: positions restarting at 0 for every document"),
-    RowField("doc_lengths", "ints summing to T: the documents (trailing padding as a last entry)"),
-    RowField("state", "the producer's cursor after this row (JSON-able), saved with checkpoints and "
-                      "handed back as ctx.resume_state on --resume"),
-    RowField("state_stage", "the pipeline name of the stage whose cursor `state` is"),
-    RowField("epochs", "how many epochs the producer yields: with rows_per_epoch, the LR schedule's length"),
-    RowField("rows_per_epoch", "rows one producer rank yields per epoch"),
-))
+PACKED_ROW = ItemType("packed row", (
+    Field("input_ids", "int [T]: the row's tokens, documents back to back"),
+    Field("loss_mask", "0/1 [T]: tokens the drafter is trained to predict"),
+    Field("position_ids", "int [T]: positions restarting at 0 for every document"),
+    Field("doc_lengths", "ints summing to T: the documents (trailing padding as a last entry)"),
+    Field("state", "the producer's cursor after this row (JSON-able), saved with checkpoints and "
+                   "handed back as ctx.resume_state on --resume"),
+    Field("state_stage", "the pipeline name of the stage whose cursor `state` is"),
+    Field("epochs", "how many epochs the producer yields: with rows_per_epoch, the LR schedule's length"),
+    Field("rows_per_epoch", "rows one producer rank yields per epoch"),
+), home=HOME)
 """What pack writes and extract reads."""
 
 FEATURE_ROW = PACKED_ROW.extend(
     "feature row",
-    RowField("features", "tensor [T, k·H]: the chosen target layers' outputs, concatenated"),
-    optional=(RowField("last_hidden", "tensor [T, H] or None: the target's final-normed last hidden state"),
-              RowField(KIND, f"{ROW_KIND!r}: tells a row from the target header in extract's stream")),
+    Field("features", "tensor [T, k·H]: the chosen target layers' outputs, concatenated"),
+    optional=(Field("last_hidden", "tensor [T, H] or None: the target's final-normed last hidden state"),
+              Field(KIND, f"{ROW_KIND!r}: tells a row from the target header in extract's stream")),
 )
 """What extract writes (a packed row plus the target's features) and train reads."""
 
-TARGET_HEADER = RowSchema("target header", (
-    RowField(KIND, f"{TARGET_KIND!r}"),
-    RowField("model", "the target's name as the extract stage was given it"),
-    RowField("config", "the target's config as a dict"),
-    RowField("target_layer_ids", "the layers whose outputs make up `features`, in order"),
-    RowField("embed_weight", "tensor [V, H]: the target's input embedding (frozen, shared with the drafter)"),
-    RowField("lm_head_weight", "tensor [V, H]: the target's LM head (frozen, shared with the drafter)"),
-    RowField("tokenizer_len", "the tokenizer's size (the drafter's mask token is picked beyond it)"),
-    RowField("all_special_ids", "the tokenizer's special token ids"),
-))
+TARGET_HEADER = ItemType("target header", (
+    Field(KIND, f"{TARGET_KIND!r}"),
+    Field("model", "the target's name as the extract stage was given it"),
+    Field("config", "the target's config as a dict"),
+    Field("target_layer_ids", "the layers whose outputs make up `features`, in order"),
+    Field("embed_weight", "tensor [V, H]: the target's input embedding (frozen, shared with the drafter)"),
+    Field("lm_head_weight", "tensor [V, H]: the target's LM head (frozen, shared with the drafter)"),
+    Field("tokenizer_len", "the tokenizer's size (the drafter's mask token is picked beyond it)"),
+    Field("all_special_ids", "the tokenizer's special token ids"),
+), kind=TARGET_KIND, home=HOME)
 """The first item of extract's stream: what the trainer needs of the target."""
 
 
@@ -110,28 +90,11 @@ def is_target_header(item: Any) -> bool:
     return isinstance(item, Mapping) and item.get(KIND) == TARGET_KIND
 
 
-class RowError(ValueError):
-    """A row is missing fields, or its per-token fields disagree in length."""
-
-
-def check_fields(item: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
-    """Raise :class:`RowError` naming ``producer`` if ``item`` lacks a field of ``schema``."""
-    source = f"stage {producer!r}" if producer else "its upstream stage"
-    if not isinstance(item, Mapping):
-        raise RowError(f"stage {consumer!r} expects {schema.name}s (mappings) from {source}, "
-                       f"got {type(item).__name__}")
-    missing = [n for n in schema.names if n not in item]
-    if missing:
-        raise RowError(f"stage {consumer!r} got a {schema.name} from {source} without "
-                       f"{', '.join(repr(n) for n in missing)}; a {schema.name} carries "
-                       f"{', '.join(schema.names)} (dflash_core.rows, docs/pack.md)")
-
-
-def check_row(row: Any, schema: RowSchema, consumer: str, producer: str | None) -> None:
+def check_row(row: Any, schema: ItemType, consumer: str, producer: str | None) -> None:
     """Raise :class:`RowError` naming ``producer`` if ``row`` does not fit ``schema``: a field is
     missing, or the per-token fields disagree in length."""
     check_fields(row, schema, consumer, producer)
-    source = f"stage {producer!r}" if producer else "its upstream stage"
+    source = source_of(producer)
     total = len(row["input_ids"])
     uneven = [n for n in ("loss_mask", "position_ids") if len(row[n]) != total]
     if uneven or sum(int(n) for n in row["doc_lengths"]) != total:
@@ -140,7 +103,7 @@ def check_row(row: Any, schema: RowSchema, consumer: str, producer: str | None) 
                        + f", doc_lengths summing to {sum(int(n) for n in row['doc_lengths'])}")
 
 
-def checked(items: Iterable[Any], schema: RowSchema, consumer: str, producer: str | None) -> Iterator[Any]:
+def checked(items: Iterable[Any], schema: ItemType, consumer: str, producer: str | None) -> Iterator[Any]:
     """``items`` with every row checked against ``schema`` as it arrives; other items (marked with
     a ``kind`` other than "row", such as extract's target header) pass unchecked."""
     for item in items:

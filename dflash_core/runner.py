@@ -372,6 +372,8 @@ class _Supervisor:
                            world_size=world_size, ranks=self.r.placement.get(stage),
                            resume_state=self.r.resume_states.get(stage),
                            resume_checkpoint=self.r.resume_checkpoint,
+                           fan_in=self.p.fan_in(stage), upstream_facts=self.p.upstream_facts(stage),
+                           consumer_facts=self.p.consumer_facts(stage),
                            pipeline=self._pipeline_view(), interrupt_event=self.interrupt)
         outputs = [ch for (up, _), ch in self.channels.items() if up == stage]
         meta = {"impl": spec.impl, "version": spec.cls.version,

@@ -50,7 +50,8 @@ def read_metrics(path: str | None) -> list[dict[str, Any]]:
 
 
 def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """Steps, final loss / τ_sim, and training time/tokens where the log records them."""
+    """Steps, final loss / τ_sim, and training time/tokens where the log records them (one
+    record per line, as ``dflash_core.items.METRICS_RECORD`` declares; older logs may lack fields)."""
     recs = [r for r in records if "step" in r]
     if not recs:
         return None
@@ -58,14 +59,10 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
     out: dict[str, Any] = {"steps": int(last["step"]), "records": len(recs),
                            "loss": last.get("loss"), "acc": last.get("acc"),
                            "tau_sim_train": last.get("tau_sim"), "tau_serve_train": last.get("tau_serve")}
-    for key in ("elapsed_s", "train_time_s", "time_s", "wall_s"):
-        if key in last:
-            out["train_time_s"] = float(last[key])
-            break
-    for key in ("tokens", "tokens_seen", "train_tokens", "total_tokens"):
-        if key in last:
-            out["train_tokens"] = int(last[key])
-            break
+    if "elapsed_s" in last:
+        out["train_time_s"] = float(last["elapsed_s"])
+    if "tokens" in last:
+        out["train_tokens"] = int(last["tokens"])
     tps = [float(r["tokens_per_s"]) for r in recs if r.get("tokens_per_s")]
     if tps:
         out["tokens_per_s_mean"] = sum(tps) / len(tps)

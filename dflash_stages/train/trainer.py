@@ -19,6 +19,7 @@ import torch
 from dflash_core import StageContext
 from dflash_core.artifacts import read_json
 from dflash_core.devices import use_device
+from dflash_core.facts import snapshot_cadence, tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_model.drafter import drafter_loss, sample_anchors
@@ -149,14 +150,8 @@ class Trainer:
 
     def fan_in(self) -> int:
         """Producer ranks feeding each replica of this stage (N/M in an N -> M fan-in, else 1):
-        the rows per epoch a row reports are its producer rank's share."""
-        view = self.ctx.pipeline
-        upstream = (view.get(self.ctx.stage) or {}).get("after", {}).get("features")
-        producers = (view.get(upstream) or {}).get("ranks") if upstream else None
-        mine = self.ctx.ranks
-        if not producers or not mine or producers == mine:
-            return 1
-        return len(producers) // len(mine)
+        the rows per epoch a row reports are its producer rank's share. The engine computes it."""
+        return self.ctx.fan_in.get("features", 1)
 
     def limit_reached(self) -> bool:
         return bool(self.cfg.total_steps) and self.step >= self.cfg.total_steps
@@ -172,11 +167,9 @@ class Trainer:
         return self.ctx.interrupted()
 
     def snapshot_every(self) -> int:
-        if self.cfg.checkpoint_every:
-            return self.cfg.checkpoint_every
-        cadences = [s["params"].get("every_steps") for s in self.ctx.stages_of_kind("checkpoint")]
-        cadences = [int(c) for c in cadences if c]
-        return min(cadences) if cadences else 0
+        """Steps between snapshots: ``checkpoint_every``, else the cadence the consumers (the
+        checkpoint stage) publish to this stage."""
+        return self.cfg.checkpoint_every or snapshot_cadence(self.ctx.consumer_facts)
 
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """Train on the stream of feature rows, ``rows_per_step`` rows a step, until it ends, the
@@ -361,7 +354,7 @@ class Trainer:
     # -------------------------------------------------------------- snapshots
     def snapshot(self, final: bool, interrupted: bool = False) -> dict[str, Any]:
         """Everything a checkpoint needs, copied to CPU so training can go on meanwhile."""
-        tok = (self.ctx.stages_of_kind("tokenize") or [{"params": {}}])[0]["params"]
+        tok = tokenizer_metadata(self.ctx.upstream_facts)  # what the tokenize stage upstream published
         rng = {"cpu": torch.get_rng_state()}
         return {
             "kind": "state", "step": self.step, "final": final, "interrupted": interrupted,
