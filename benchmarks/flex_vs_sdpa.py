@@ -47,26 +47,25 @@ def run_path(ts: Any, args: argparse.Namespace, dtype: torch.dtype, backend: str
     """Loss, hidden states, logits of the first anchors and gradients for one backend/dtype
     (``compiled``: the training path, with compiled draft layers and fused loss chunks)."""
     s = ts.make_setup(args, dtype, backend)
-    model = s["model"]
+    model, batch = s["model"], s["batch"]
     if compiled:
         model.compile_layers()
-    anchors = sample_anchors(s["loss_mask"].cpu(), s["lengths"], s["N"],
+    anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"],
                              torch.Generator().manual_seed(args.seed)).to(s["device"])
     docs = doc_ids_from_lengths(s["lengths"], s["T"], s["device"])
-    ids, pos, layout = build_blocks(s["input_ids"], s["position_ids"], docs, anchors, model.block_size,
+    ids, pos, layout = build_blocks(batch.input_ids, batch.position_ids, docs, anchors, model.block_size,
                                     model.mask_token_id)
     ts.sync(s["device"])
     t0 = time.perf_counter()
     with torch.set_grad_enabled(with_grad):
-        out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
-                           anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"] if compiled else None,
+        out = drafter_loss(model, batch, anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"] if compiled else None,
                            compile_loss=compiled)
         if with_grad:
             out.loss.backward()
     ts.sync(s["device"])
     seconds = time.perf_counter() - t0
     with torch.set_grad_enabled(with_grad):  # the same (training) graph when compiled: no second compile
-        hidden = model(s["features"], ids, s["position_ids"], pos, layout, s["embed"]).detach()
+        hidden = model(batch.features, ids, batch.position_ids, pos, layout, s["embed"]).detach()
         logits = hidden[:8].float() @ s["lm_head"].float().t()
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()} if with_grad else {}
     result = dict(loss=out.loss.detach().float().cpu(), hidden=hidden.float().cpu(), logits=logits.cpu(),

@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     args = ap.parse_args()
     family, draft_mod, _ = import_specforge(args.specforge)
-    from dflash_model.drafter import DFlashDrafter, DrafterConfig, drafter_loss
+    from dflash_model.drafter import DFlashDrafter, DrafterConfig, FeatureBatch, drafter_loss
 
     torch.set_default_dtype(torch.float32)
     cfg = DrafterConfig.from_target(dict(model_type="qwen3", hidden_size=64, intermediate_size=128,
@@ -69,8 +69,8 @@ def main() -> int:
         loss_sf, acc_sf, _ = model(input_ids=ids[None], hidden_states=feats[None], loss_mask=mask[None])
         loss_sf.backward()
 
-        out = drafter_loss(ours, feats, ids, mask, torch.arange(T), [T], anchors[0][keep[0]], embed, head,
-                           gamma=gamma, attn_backend="sdpa")
+        out = drafter_loss(ours, FeatureBatch(feats, ids, mask, torch.arange(T), [T]), anchors[0][keep[0]], embed,
+                           head, gamma=gamma, attn_backend="sdpa")
         out.loss.backward()
         grads_sf = dict(theirs.named_parameters())
         rel = max(float((p.grad - grads_sf[n].grad).abs().max() / grads_sf[n].grad.abs().max().clamp_min(1e-30))

@@ -1,8 +1,10 @@
 """Drafter training-step benchmark: step time, tokens/s, TFLOP/s (DESIGN §8 FLOP model), peak memory.
 
-Default: CUDA, the drafter the trainer builds for Qwen3-8B (random weights, no downloads), one
-8,192-token packed row of 3 documents, 512 anchors, B=16, 5 draft layers, bf16 weights, AdamW
-(fused on CUDA) over float32 master weights as the trainer steps them, grad clip 1.0. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
+What it times is the train stage's own step, ``Trainer.train_step`` (the step ``Trainer.fit``
+takes), on a trainer set up as a run sets it up: the drafter it builds for Qwen3-8B (random
+weights, no downloads), tuned and compiled, AdamW (fused on CUDA) over float32 master weights,
+grad clip 1.0, bf16 weights; one 8,192-token packed row of 3 documents as extract sends it, 512
+anchors, B=16, 5 draft layers. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
 5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
 
     python benchmarks/train_step.py                      # the default run (CUDA)
@@ -31,10 +33,11 @@ import sys
 
 
 import argparse
-import functools
+import dataclasses
 import json
 import logging
 import statistics
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -45,14 +48,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, build_blocks, doc_ids_from_lengths,
-                                 drafter_loss, sample_anchors, training_flops)
+from dflash_core import StageContext
+from dflash_model.drafter import (H200_BF16_PEAK, DFlashDrafter, DrafterConfig, FeatureBatch, build_blocks,
+                                 doc_ids_from_lengths, drafter_loss, sample_anchors, training_flops)
 from dflash_model.drafter.attention import resolve_backend
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast import tune_drafter
-from dflash_model.fast import compile_cache
-from dflash_model.fast.optim import clipped_step, drafter_optimizer
-from dflash_model.fast.settings import compile_wanted
+from dflash_model.fast.optim import clipped_step
+from dflash_stages.train.config import TrainConfig
+from dflash_stages.train.drafter_init import drafter_config
+from dflash_stages.train.trainer import Trainer
 from gpu_clocks import ClockLog, describe  # noqa: E402  (benchmarks/ is the script's directory)
 from step_phases import LOSS, PhaseClock, breakdown, breakdown_table  # noqa: E402
 
@@ -64,23 +69,31 @@ SHAPES = ("tiny", "qwen3-8b", "qwen3.6-27b")
 """``--shape``: ``tiny``, or the target ``random:NAME`` of ``dflash_model.target.load.PRESETS``."""
 
 
+def target_config(name: str) -> dict[str, Any]:
+    """The config of the target ``random:NAME`` (``TINY`` for ``tiny``)."""
+    if name == "tiny":
+        return dict(TINY)
+    from dflash_model.drafter.config import config_dict
+    from dflash_model.target.load import random_config
+
+    return config_dict(random_config(name))
+
+
+def target_header(name: str, embed: torch.Tensor, lm_head: torch.Tensor) -> dict[str, Any]:
+    """The header extract would send for the target ``random:NAME`` with these embedding and LM
+    head weights: what the trainer builds its drafter from."""
+    return {"model": f"random:{name}", "config": target_config(name), "embed_weight": embed,
+            "lm_head_weight": lm_head, "target_layer_ids": None,
+            "tokenizer_len": embed.shape[0] - 1}  # a random target's stand-in tokenizer: every row but the last
+
+
 def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterConfig:
     """The drafter a run builds for the target ``random:NAME`` (``TINY`` for ``tiny``): attention
     shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
     header extract would send, so the benchmark's dimensions are the package's own."""
-    from dflash_stages.train.config import TrainConfig
-    from dflash_stages.train.drafter_init import drafter_config
-
-    if name == "tiny":
-        target = dict(TINY)
-    else:
-        from dflash_model.drafter.config import config_dict
-        from dflash_model.target.load import random_config
-
-        target = config_dict(random_config(name))
-    V, H = target["vocab_size"], target["hidden_size"]
-    header = {"config": target, "embed_weight": torch.empty(V, H, device="meta"), "target_layer_ids": None,
-              "tokenizer_len": V - 1}  # a random target's stand-in tokenizer: every row but the last
+    target = target_config(name)
+    weights = torch.empty(target["vocab_size"], target["hidden_size"], device="meta")
+    header = target_header(name, weights, weights)
     return drafter_config(header, TrainConfig(num_layers=layers, block_size=block_size))[0]
 
 
@@ -114,41 +127,61 @@ def make_row(T: int, docs: int, vocab: int, seed: int) -> dict[str, Any]:
                 input_ids=torch.randint(0, vocab - 1, (T,), generator=g))
 
 
-def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str, compile: bool = False) -> dict[str, Any]:
-    """Random drafter + frozen embedding/LM head + one packed row (3 docs, prompts unsupervised).
-    The weights and features are drawn on the device (the 27B shape's are billions of numbers).
-    The drafter is tuned as the trainer tunes it (``tune_drafter``), compiled if ``compile``."""
+def make_inputs(args: argparse.Namespace, cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """One packed row (3 docs, prompts unsupervised) with random features for ``cfg``'s target
+    layers, and the frozen embedding / LM head, drawn on the device (the 27B shape's are billions
+    of numbers): ``row`` as extract sends it (token fields on the host), ``batch`` the same row on
+    the device for ``drafter_loss``."""
     dev = torch.device(args.device)
     tiny = args.shape == "tiny"
-    cfg = drafter_shape(args.shape, args.layers, args.block_size)
     T = args.tokens or (256 if tiny else 8192)
     N = args.anchors or (16 if tiny else 512)
-    torch.manual_seed(args.seed)
     V, H = cfg.vocab_size, cfg.hidden_size
     row = make_row(T, args.docs, V, args.seed)
     g = row["generator"] if dev.type == "cpu" else torch.Generator(dev).manual_seed(args.seed)
-    with dev:
-        model = DFlashDrafter(cfg, attn_backend=backend).to(dtype=dtype)
-    tuned = tune_drafter(model, dev, dtype, kernel_options=getattr(args, "flex_options", "auto"),
-                         tile=getattr(args, "flex_tile", "auto"), compile=compile,
-                         cache_root=getattr(args, "compile_cache", None), logger=LOG,
-                         compile_options={"options": dict(args.inductor)} if getattr(args, "inductor", None) else None)
-    k = len(model.config.target_layer_ids)
+    features = torch.randn(T, len(cfg.target_layer_ids) * H, generator=g, device=dev).to(dtype)
+    host = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "position_ids": row["position_ids"]}
     return dict(
-        model=model, tuned=tuned, cfg=model.config, T=T, N=N, lengths=row["lengths"], device=dev,
-        input_ids=row["input_ids"].to(dev), loss_mask=row["loss_mask"].to(dev), loss_mask_cpu=row["loss_mask"],
-        position_ids=row["position_ids"].to(dev),
-        features=torch.randn(T, k * H, generator=g, device=dev).to(dtype),
+        cfg=cfg, T=T, N=N, lengths=row["lengths"], device=dev, loss_mask_cpu=row["loss_mask"],
+        row=dict(host, doc_lengths=row["lengths"], features=features, last_hidden=None),
+        batch=FeatureBatch(features, **{k: v.to(dev) for k, v in host.items()}, doc_lengths=row["lengths"]),
         embed=(torch.randn(V, H, generator=g, device=dev) * 0.02).to(dtype),
         lm_head=(torch.randn(V, H, generator=g, device=dev) * 0.02).to(dtype),
     )
 
 
+def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str, compile: bool = False) -> dict[str, Any]:
+    """``make_inputs`` and a random drafter of the shape a run builds, tuned as the trainer tunes
+    it (``tune_drafter``), compiled if ``compile``: for the loss alone (``flex_vs_sdpa.py``)."""
+    dev = torch.device(args.device)
+    s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size), dtype)
+    torch.manual_seed(args.seed)
+    with dev:
+        model = DFlashDrafter(s["cfg"], attn_backend=backend).to(dtype=dtype)
+    tuned = tune_drafter(model, dev, dtype, kernel_options="auto", tile="auto", compile=compile, logger=LOG)
+    return dict(s, model=model, tuned=tuned)
+
+
+def make_trainer(args: argparse.Namespace, s: dict[str, Any], backend: str, work: str) -> Trainer:
+    """The train stage's ``Trainer`` for the benchmark's target, set up as a run sets it up (its
+    drafter built, tuned and compiled, its optimizer made), writing what it writes under ``work``."""
+    cfg = TrainConfig(num_layers=args.layers, block_size=args.block_size, num_anchors=s["N"], seed=args.seed,
+                      dtype="bfloat16", attn_backend=backend, compile=args.compile,
+                      compile_cache=str(args.compile_cache) if args.compile_cache else None,
+                      flex_kernel_options=args.flex_options, flex_tile=args.flex_tile,
+                      adamw_kernel=args.adamw_kernel, master_weights=args.master_weights,
+                      chunk_rows=args.chunk_rows[0])
+    ctx = StageContext(stage="train", config=cfg, device=args.device, run_dir=work, work_dir=work)
+    trainer = Trainer(cfg, ctx, compile_options={"options": dict(args.inductor)} if args.inductor else None)
+    trainer.setup(target_header(args.shape, s["embed"], s["lm_head"]))
+    return trainer
+
+
 def attended_pairs(s: dict[str, Any], anchors: torch.Tensor) -> list[int]:
     """P of each draft layer's mask for these anchors (the FLOP model's attention term)."""
-    cfg = s["cfg"]
+    cfg, batch = s["cfg"], s["batch"]
     docs = doc_ids_from_lengths(s["lengths"], s["T"], s["device"])
-    layout = build_blocks(s["input_ids"], s["position_ids"], docs, anchors.to(s["device"]), cfg.block_size,
+    layout = build_blocks(batch.input_ids, batch.position_ids, docs, anchors.to(s["device"]), cfg.block_size,
                           cfg.mask_token_id)[2]
     return [layout.attended_pairs(cfg.sliding_window if lt == "sliding_attention" else None) for lt in cfg.layer_types]
 
@@ -167,43 +200,35 @@ def sync(dev: torch.device) -> None:
 
 
 def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
-    """Build, compile and take the first step once, then time the step at each ``--chunk-rows``
-    value (one result each: only the LM-head loss chunks change between them)."""
-    s = make_setup(args, torch.bfloat16, backend, compile=compile_wanted(args.compile, torch.device(args.device)))
-    model, dev = s["model"], s["device"]
-    log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
-    compiled, loaded = s["tuned"].compiled, s["tuned"].cache_loaded
-    opt = drafter_optimizer(model.parameters(), lr=6e-4, weight_decay=0.0, kernel=args.adamw_kernel,
-                            master_weights=args.master_weights)
-    gen = torch.Generator().manual_seed(args.seed)
+    """Set a trainer up, take its first step once (it compiles), then time its step at each
+    ``--chunk-rows`` value (one result each: only the LM-head loss chunks change between them)."""
+    with tempfile.TemporaryDirectory(prefix="train-step-") as work:
+        s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size), torch.bfloat16)
+        trainer = make_trainer(args, s, backend, work)
+        try:
+            return timed_steps(args, backend, dict(s, model=trainer.model, cfg=trainer.model.config), trainer)
+        finally:
+            trainer.metrics.close()
 
-    def step(mark: Callable[[str], None] = lambda _: None, chunk_rows: int = args.chunk_rows[0]) -> torch.Tensor:
-        """One training step; ``mark`` is called at its start and after its forward, backward
-        and optimizer (a ``PhaseClock``'s, to split the step's time)."""
+
+def timed_steps(args: argparse.Namespace, backend: str, s: dict[str, Any], trainer: Trainer) -> list[dict[str, Any]]:
+    """``run``'s measurements of ``trainer``'s step on the row ``s["row"]``."""
+    model, dev, opt = trainer.model, s["device"], trainer.opt
+    log(f"[{backend}] --shape {args.shape}: {describe_shape(s['cfg'])}")
+
+    def step(mark: Callable[[str], None] = lambda _: None) -> torch.Tensor:
+        """The trainer's step on the row; ``mark`` is called at its start and after its forward,
+        backward and optimizer (a ``PhaseClock``'s, to split the step's time). Returns the anchors
+        it drew (the FLOP model's input)."""
         mark("start")
-        # anchors are drawn on the host from a host copy of the mask, as the trainer does (a
-        # .cpu() of the GPU mask here would wait for the previous step and serialise the steps)
-        anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"], gen)
-        out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], s["lengths"],
-                           anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], compile_loss=compiled,
-                           chunk_rows=chunk_rows)
-        mark("forward")
-        out.loss.backward()
-        mark("backward")
-        if args.clip == "separate":  # the clip as a pass of its own (before clipped_step)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        else:
-            clipped_step(opt, 1.0)
-        opt.zero_grad(set_to_none=True)
-        mark("optimizer")
-        return anchors
+        return trainer.train_step([s["row"]], mark).anchors[0]
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     t0 = time.perf_counter()
-    log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {loaded}; {type(opt).__name__})...")
+    log(f"[{backend}] first step (compiles on CUDA; compile cache loaded: {trainer.cache_loaded}; "
+        f"{type(opt).__name__})...")
     laps = PhaseClock(dev, wall=True)  # the first step's compile time, split by phase
     step(laps.mark)
     phases = laps.phases()
@@ -211,20 +236,22 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     first_peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     log(f"[{backend}] first step {first:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")"
         + ("" if first_peak is None else f"; peak {first_peak:.1f} GiB"))
-    if compiled:
+    if trainer.compiled:
         log(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         log(compile_by_graph())
-    if s["tuned"].cache_url:
-        compile_cache.save(s["tuned"].cache_url, LOG)
-    common = dict(backend=resolve_backend(backend, dev), compiled=compiled, cache_loaded=loaded, device=str(dev),
-                  torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(), tokens=s["T"],
-                  anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,
-                  first_step_phases_s=phases, first_step_peak_gib=first_peak, steps=args.steps, flex_options=model.flex_kernel_options,
-                  flex_tile=model.flex_tile, adamw=type(opt).__name__, cuda_graph=None)
-    results = [{**common, **measure(args, backend, s, functools.partial(step, chunk_rows=n), n)}
-               for n in args.chunk_rows]
+    trainer.save_compile_cache()
+    common = dict(backend=resolve_backend(backend, dev), compiled=trainer.compiled, cache_loaded=trainer.cache_loaded,
+                  device=str(dev), torch=torch.__version__, shape=args.shape, drafter=s["cfg"].to_export_dict(),
+                  tokens=s["T"], anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,
+                  first_step_phases_s=phases, first_step_peak_gib=first_peak, steps=args.steps,
+                  flex_options=model.flex_kernel_options, flex_tile=model.flex_tile, adamw=type(opt).__name__,
+                  cuda_graph=None)
+    results = []
+    for n in args.chunk_rows:
+        trainer.cfg.chunk_rows = n  # read by every step
+        results.append({**common, **measure(args, backend, s, step, n)})
     if args.cuda_graph:
-        results[0]["cuda_graph"] = cuda_graph_compare(args, s, opt, compiled, results[0]["steady_ms"] / 1e3,
+        results[0]["cuda_graph"] = cuda_graph_compare(args, s, trainer, results[0]["steady_ms"] / 1e3,
                                                       args.chunk_rows[0])
     if args.profile:
         profile_steps(step, dev, args.profile / f"profile-{backend}-compile-{args.compile}.txt")
@@ -304,20 +331,20 @@ def compile_by_graph() -> str:
     return "\n".join(lines)
 
 
-def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], opt: torch.optim.Optimizer,
-                       compiled: bool, eager_steady: float, chunk_rows: int) -> dict[str, Any]:
-    """The whole step (forward, backward, clip, AdamW) captured once as a CUDA graph and replayed
-    with fresh anchors copied into its input buffer: time against the eager step, and the losses
-    and weights of K steps from the same state, eager vs replayed (prototype)."""
-    model, dev, N = s["model"], s["device"], s["N"]
-    docs = doc_ids_from_lengths(s["lengths"], s["T"], dev)
+def cuda_graph_compare(args: argparse.Namespace, s: dict[str, Any], trainer: Trainer, eager_steady: float,
+                       chunk_rows: int) -> dict[str, Any]:
+    """The trainer's step rebuilt to be captured once as a CUDA graph (forward, backward, clip,
+    AdamW on its drafter and optimizer; the documents as device ids, so nothing waits for the
+    host) and replayed with fresh anchors copied into its input buffer: time against the eager
+    step, and the losses and weights of K steps from the same state, eager vs replayed (prototype)."""
+    model, opt, dev, N = trainer.model, trainer.opt, s["device"], s["N"]
+    batch = dataclasses.replace(s["batch"], doc_lengths=None, doc_ids=doc_ids_from_lengths(s["lengths"], s["T"], dev))
     anchors_in = torch.zeros(N, dtype=torch.long, device=dev)
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def body() -> torch.Tensor:
-        out = drafter_loss(model, s["features"], s["input_ids"], s["loss_mask"], s["position_ids"], None,
-                           anchors_in, s["embed"], s["lm_head"], doc_ids=docs, pad_anchors_to=N,
-                           compile_loss=compiled, chunk_rows=chunk_rows)
+        out = drafter_loss(model, batch, anchors_in, trainer.embed, trainer.head, pad_anchors_to=N,
+                           compile_loss=trainer.compiled, chunk_rows=chunk_rows)
         out.loss.backward()
         clipped_step(opt, 1.0)
         return out.loss.detach()
@@ -589,8 +616,6 @@ def main() -> int:
     p.add_argument("--inductor", type=inductor_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor config option for the draft-layer compile (repeatable), e.g. "
                         "prologue_fusion=false")
-    p.add_argument("--clip", default="fused", choices=["fused", "separate"],
-                   help="gradient clip folded into fused AdamW (the trainer's) or clip_grad_norm_ first")
     p.add_argument("--adamw-kernel", default="auto", choices=["auto", "triton", "torch"],
                    help="AdamW step: Triton kernels (auto on CUDA) or torch's fused AdamW")
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false",

@@ -52,8 +52,8 @@ def _tiny_step(seed: int = 0, layers: int = 2):
 
     def step(mark=lambda _: None):
         mark("start")
-        out = drafter_loss(s["model"], s["features"], s["input_ids"], s["loss_mask"], s["position_ids"],
-                           s["lengths"], anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"], chunk_rows=40)
+        out = drafter_loss(s["model"], s["batch"], anchors, s["embed"], s["lm_head"], pad_anchors_to=s["N"],
+                           chunk_rows=40)
         mark("forward")
         out.loss.backward()
         mark("backward")

@@ -19,6 +19,7 @@ import torch
 
 from dflash_model.drafter.anchors import (block_labels, build_blocks, pad_anchors, resolve_doc_ids, slot_weights,
                                          to_device)
+from dflash_model.drafter.batch import FeatureBatch
 from dflash_model.drafter.config import default_gamma
 from dflash_model.fast.settings import triton_installed
 
@@ -194,20 +195,15 @@ def _harmonic_mean(block: torch.Tensor, valid: torch.Tensor | None) -> torch.Ten
     return 1 / inverse.mean() if valid is None else valid.sum() / (inverse * valid).sum()
 
 
-def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torch.Tensor,
-                 loss_mask: torch.Tensor, position_ids: torch.Tensor, doc_lengths: Any,
-                 anchors: torch.Tensor, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
-                 doc_ids: torch.Tensor | None = None, gamma: float | None = None, target: str = "data",
-                 target_hidden: torch.Tensor | None = None, chunk_rows: int = 4096,
-                 attn_backend: str | None = None, pad_anchors_to: int | None = None,
+def drafter_loss(model: torch.nn.Module, batch: FeatureBatch, anchors: torch.Tensor, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, *, gamma: float | None = None, target: str = "data",
+                 chunk_rows: int = 4096, attn_backend: str | None = None, pad_anchors_to: int | None = None,
                  compile_loss: bool = False) -> LossOutput:
     """Loss and metrics for one packed row.
 
-    features [T, k*H]; input_ids, loss_mask, position_ids (per-document) [T]; documents as
-    ``doc_lengths`` (rows after them are padding) or ``doc_ids=`` [T] (-1 = padding); anchors [N]
-    (``sample_anchors``); embed_weight / lm_head_weight [V, H] are the target's (frozen).
-    gamma defaults to ``default_gamma(B)``; target in TARGETS ("target_argmax"/"kl" need
-    ``target_hidden`` [T, H], the target's final-normed last hidden state).
+    ``batch``: the row (``FeatureBatch``); anchors [N] (``sample_anchors``); embed_weight /
+    lm_head_weight [V, H] are the target's (frozen). gamma defaults to ``default_gamma(B)``;
+    target in TARGETS ("target_argmax"/"kl" need the batch's ``target_hidden``).
     ``pad_anchors_to``: add padding blocks (they see only themselves, carry no loss) up to this
     many, so every step has the same shapes and compiled code never recompiles.
     ``compile_loss``: fuse the LM-head loss chunks' softmax passes (CUDA only; ``chunk_fn``).
@@ -216,12 +212,14 @@ def drafter_loss(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if target != "data" and target_hidden is None:
+    if target != "data" and batch.target_hidden is None:
         raise ValueError(f"target={target!r} needs target_hidden (the target's last hidden state)")
+    features, target_hidden = batch.features, batch.target_hidden
     B = model.block_size
     dev = features.device
-    input_ids, loss_mask, position_ids = (to_device(t, dev) for t in (input_ids, loss_mask, position_ids))
-    docs = resolve_doc_ids(input_ids.shape[0], doc_lengths, doc_ids, dev)
+    input_ids, loss_mask, position_ids = (to_device(t, dev) for t in (batch.input_ids, batch.loss_mask,
+                                                                       batch.position_ids))
+    docs = resolve_doc_ids(input_ids.shape[0], batch.doc_lengths, batch.doc_ids, dev)
     n_real = int(anchors.shape[0])
     anchors, valid = pad_anchors(anchors.to(dtype=torch.long), pad_anchors_to)
     anchors, valid = to_device(anchors, dev), to_device(valid, dev)

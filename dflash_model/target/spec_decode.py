@@ -351,7 +351,7 @@ def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequen
     Returns tau_sim, tau_serve, loss, acc, n_blocks, and ``anchor_tau``: each anchor's τ. A block
     sees the context's features and itself only, so the τ at a subset of anchors (e.g. the served
     cycles' block starts, where τ_sim and the served τ are the same quantity) is read from it."""
-    from dflash_model.drafter import anchor_candidates, drafter_loss
+    from dflash_model.drafter import FeatureBatch, anchor_candidates, drafter_loss
 
     ids_list = list(prompt_ids) + list(completion)
     T, P = len(ids_list), len(prompt_ids)
@@ -369,8 +369,8 @@ def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequen
     features = FeatureCapture(target, layer_ids if layer_ids is not None else drafter.config.target_layer_ids
                               ).capture(ids[None])[0][0]
     dtype = next(drafter.parameters()).dtype
-    out = drafter_loss(drafter, features.to(dtype), ids, loss_mask, torch.arange(T, device=dev), [T], anchors,
-                       embed_weight, lm_head_weight, attn_backend="sdpa")
+    batch = FeatureBatch(features.to(dtype), ids, loss_mask, torch.arange(T, device=dev), [T])
+    out = drafter_loss(drafter, batch, anchors, embed_weight, lm_head_weight, attn_backend="sdpa")
     return {"tau_sim": float(out.tau_sim), "tau_serve": float(out.tau_serve), "loss": float(out.loss),
             "acc": float(out.acc), "n_blocks": int(out.n_blocks),
             "anchor_tau": dict(zip(anchors.tolist(), out.block_tau.tolist()))}

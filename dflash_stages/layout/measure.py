@@ -224,7 +224,6 @@ def _time_drafter(train_cfg: Any, header: dict[str, Any], featured: dict[str, An
                       drafter_gib=clock.peak_gib(), compiled=bool(trainer.compiled),
                       drafter_params=sum(p.numel() for p in trainer.model.parameters()),
                       compile_cache_saved=saved)
-        if trainer.tb is not None:
-            trainer.tb.close()
+        trainer.metrics.close()
     log(f"drafter step: {step_s * 1e3:.1f} ms per {per_step} x {tokens:,}-token row(s) (median of {rows})")
     return fields

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -22,18 +21,23 @@ from dflash_core.devices import use_device
 from dflash_core.facts import snapshot_cadence, tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
-from dflash_model.drafter import drafter_loss, sample_anchors
+from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchors
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.optim import clipped_step, drafter_optimizer
 from dflash_model.fast.settings import compile_wanted, peak_gib
 from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
-from dflash_stages.train.config import (TrainConfig, append_metrics, lr_at, metrics_path, now,
-                                         truncate_metrics)
+from dflash_stages.train.config import TrainConfig, lr_at
 from dflash_stages.train.drafter_init import build_drafter
+from dflash_stages.train.metrics import MetricsLog
+from dflash_stages.train.snapshots import SnapshotPolicy
 
 TRAIN_STATE = "train_state.pt"
+
+
+def _unmarked(_phase: str) -> None:
+    """A step's phase marks when nobody times its phases (training)."""
 
 
 @dataclass
@@ -46,6 +50,8 @@ class StepStats:
     tokens: int
     row_stats: list[dict[str, torch.Tensor]]
     """Per row that had anchors: ``loss``, ``acc``, ``tau_sim``, ``tau_serve``, ``per_slot_acc``."""
+    anchors: list[torch.Tensor]
+    """Each row's anchors (host tensors, empty where a row had none): what the FLOP model reads."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping."""
     lr: float
@@ -53,8 +59,17 @@ class StepStats:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: StageContext) -> None:
+    """Trains the drafter of one replica. Its components, built by :meth:`setup`: ``model`` (the
+    drafter, tuned and maybe compiled), ``opt`` (AdamW, float32 master weights below float32),
+    the LR schedule (:func:`lr_at` of ``step`` and ``total``), ``data_state`` (the upstream
+    stages' cursors, saved with each snapshot) and ``metrics`` (:class:`MetricsLog`). Its state
+    is :meth:`state_dict`; :meth:`fit` is the loop, :meth:`train_step` the step."""
+
+    def __init__(self, cfg: TrainConfig, ctx: StageContext, compile_options: dict[str, Any] | None = None) -> None:
+        """``compile_options``: ``torch.compile`` options for the draft layers, which runs leave
+        at Inductor's defaults (``benchmarks/train_step.py --inductor`` tries others)."""
         self.cfg, self.ctx = cfg, ctx
+        self.compile_options = compile_options
         self.device = use_device(ctx.device)
         self.dtype = resolve_dtype(cfg.dtype, ctx.device)
         self.step = 0
@@ -62,8 +77,7 @@ class Trainer:
         """Optimizer steps the LR schedule spans; learnt from the first row that reports its
         epoch when not configured (None: unknown, the rate stays flat after warmup)."""
         self.data_state: dict[str, Any] = {}
-        self.metrics_file = metrics_path(ctx)
-        self.tb: Any = None
+        self.metrics = MetricsLog(ctx, cfg.log_every)
         self.distributed = ctx.world_size > 1
         self.interrupt_votes: torch.Tensor | None = None
         """Replicas asked to stop by an interrupt, summed by the last step's all-reduce."""
@@ -78,8 +92,9 @@ class Trainer:
         self.model = model.to(device=self.device, dtype=self.dtype)
         tuned = tune_drafter(self.model, self.device, self.dtype, kernel_options=cfg.flex_kernel_options,
                              tile=cfg.flex_tile, compile=compile_wanted(cfg.compile, self.device),
-                             cache_root=cfg.compile_cache, logger=self.ctx.logger)
-        self.compiled, self.cache_url = tuned.compiled, tuned.cache_url
+                             cache_root=cfg.compile_cache, logger=self.ctx.logger,
+                             compile_options=self.compile_options)
+        self.compiled, self.cache_url, self.cache_loaded = tuned.compiled, tuned.cache_url, tuned.cache_loaded
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = self.embed if tied(embed, head) else head.detach().to(self.device, self.dtype)
@@ -88,14 +103,11 @@ class Trainer:
         # after the replicas' weights are made equal: master weights are copied from them
         self.opt = drafter_optimizer(self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.adamw_kernel,
                                      cfg.master_weights)
-        if self.ctx.resume_checkpoint:
-            self._restore(self.ctx.resume_checkpoint)
-        if self.ctx.rank == 0:
-            if self.ctx.resume_checkpoint:  # the steps after the checkpoint are logged again
-                truncate_metrics(self.metrics_file, self.step)
-            elif "://" not in self.metrics_file and os.path.exists(self.metrics_file):
-                os.remove(self.metrics_file)
-        self._open_tensorboard()
+        ckpt = self.ctx.resume_checkpoint
+        if ckpt:
+            self.load_state_dict(read_checkpoint(ckpt, self.ctx.rank))
+            self.ctx.logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.metrics.open(self.step, resumed=bool(ckpt))
 
     def _init_distributed(self) -> None:
         import torch.distributed as dist
@@ -110,35 +122,23 @@ class Trainer:
         for p in self.model.parameters():  # identical start on every replica
             dist.broadcast(p.data, src=first, group=self.group)
 
-    def _open_tensorboard(self) -> None:
-        if self.ctx.rank != 0 or "://" in self.ctx.run_dir:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard not installed: JSONL metrics only
-            return
-        # resumed: hide what the earlier run logged after the checkpoint (it is logged again)
-        purge = self.step + 1 if self.ctx.resume_checkpoint else None
-        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"), purge_step=purge)
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """What it takes to go on exactly from here: the drafter's weights, the optimizer's
+        moments, the step (the LR schedule is a function of it), this process's RNG and the
+        upstream stages' data cursors. Live tensors: :meth:`snapshot` copies them."""
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
+                "rng": {"cpu": torch.get_rng_state()}, "data": dict(self.data_state)}
 
-    def _restore(self, ckpt: str) -> None:
-        import fsspec
-
-        with fsspec.open(f"{ckpt}/{TRAIN_STATE}", "rb") as f:
-            saved = torch.load(f, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(saved["model"])
-        self.opt.load_state_dict(saved["optimizer"])
-        self.step = int(saved["step"])
-        # the data cursors saved with it, kept until a row moves them: a snapshot before any
-        # new row (nothing left to train) must not drop them
-        cursors = read_json(f"{ckpt}/{PIPELINE_STATE}") or {}
-        self.data_state = {stage: st for stage, st in cursors.items() if stage != self.ctx.stage}
-        rank = self.ctx.rank
-        if rank != 0:
-            with fsspec.open(f"{ckpt}/rng.rank{rank}.pt", "rb") as f:
-                saved = torch.load(f, map_location="cpu", weights_only=True)
-        torch.set_rng_state(saved["rng"][str(rank)]["cpu"])
-        self.ctx.logger.info("resumed from %s at step %d", ckpt, self.step)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s, or :func:`read_checkpoint`'s). Its data
+        cursors are kept until a row moves them: a snapshot taken before any new row (nothing
+        left to train) must not drop them."""
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        self.data_state = {stage: st for stage, st in state["data"].items() if stage != self.ctx.stage}
 
     # ------------------------------------------------------------------- loop
     def total_steps(self, row: dict[str, Any]) -> int | None:
@@ -176,17 +176,9 @@ class Trainer:
         step limit or an interrupt; logs, and yields the snapshots to checkpoint (the last one
         always)."""
         cfg, ctx = self.cfg, self.ctx
-        every = self.snapshot_every()
-        fan_in, rows_done = self.fan_in(), self.step * cfg.rows_per_step
-        if fan_in > 1 and every and (every * cfg.rows_per_step) % fan_in:
-            raise ValueError(
-                f"{fan_in} producer ranks feed each drafter replica: checkpoints must fall where each "
-                f"has sent as many rows, so every_steps x rows_per_step ({every} x {cfg.rows_per_step}) "
-                f"must be a multiple of {fan_in}")
-        window: list[dict[str, torch.Tensor]] = []
-        interrupted, grad_norm = False, None
-        self.started, self.tokens_seen = now(), 0
-        t0, window_from, step_from = now(), 0, 0  # where the log window / the step began
+        policy = SnapshotPolicy(self.snapshot_every(), self.fan_in(), cfg.rows_per_step)
+        interrupted = False
+        self.metrics.start()
         if self.step:  # resumed: the display counts on from the checkpoint's step
             ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
         feed = iter(rows)
@@ -195,43 +187,34 @@ class Trainer:
             done = self.train_step(step_rows)
             if done is None:  # the stream ended on a step boundary
                 break
-            self.tokens_seen += done.tokens
-            window += done.row_stats
-            grad_norm = done.grad_norm
+            self.metrics.add(done)
             if done.rows < cfg.rows_per_step:  # the stream ended within this last, partial step
                 break
-            rows_done += cfg.rows_per_step
-            if rows_done % fan_in == 0:  # every producer rank has sent as many rows: one state fits all
+            if policy.boundary(self.step):  # every producer rank has sent as many rows: one state fits all
                 self.data_state = _row_state(step_rows.last)
             if self.step == 1:
                 self.save_compile_cache()  # everything is compiled by now
-            ctx.progress(1, total=self.total, unit="steps", tokens=self.tokens_seen - step_from)
-            step_from = self.tokens_seen
-            if self.step % cfg.log_every == 0 or self.step == self.total:
-                self._log(window, grad_norm, done.lr, (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
-                window, window_from, t0 = [], self.tokens_seen, now()
-            if every and self.step % every == 0:
+            self.metrics.stepped(self.step, self.total, done)
+            if policy.due(self.step):
                 yield self.snapshot(final=False)
-            if self.interrupt_here(rows_done % fan_in == 0):
+            if self.interrupt_here(policy.boundary(self.step)):
                 interrupted = True
                 break
         if not self.step:  # a drafter that never stepped would be exported as if trained
             raise ValueError("train: no feature rows reached it, so no optimizer step was taken; "
                              "the upstream stages kept nothing (see their counts: tokenize's "
                              "samples_out, pack's rows)")
-        if window:
-            self._log(window, grad_norm, lr_at(self.step, self.total, cfg),
-                      (self.tokens_seen - window_from) / max(now() - t0, 1e-9))
+        self.metrics.write(self.step, lr_at(self.step, self.total, cfg))
         ctx.summary.update(steps=self.step, peak_gib=peak_gib(self.device))
         if interrupted:
             ctx.summary["interrupted_at"] = self.step
         if self.distributed:
             self._check_replicas()
-        if self.tb is not None:
-            self.tb.close()
+        self.metrics.close()
         yield self.snapshot(final=not interrupted, interrupted=interrupted)
 
-    def train_step(self, rows: Iterable[dict[str, Any]]) -> StepStats | None:
+    def train_step(self, rows: Iterable[dict[str, Any]], mark: Callable[[str], None] = _unmarked
+                   ) -> StepStats | None:
         """One optimizer step, as training takes it: forward and backward of each feature row
         (extract's rows: ``features``, ``input_ids``, ``position_ids``, ``loss_mask``,
         ``doc_lengths``, optionally ``last_hidden``), their gradients averaged across the replicas,
@@ -241,25 +224,41 @@ class Trainer:
         freed once its backward is done); fewer only for a stream's last, partial step. Each row's
         anchors are drawn from (seed, step, its slot in the global batch), so the same rows at the
         same step give the same weights however they are fed. Returns None, and takes no step,
-        when ``rows`` is empty. Call after :meth:`setup`."""
+        when ``rows`` is empty. Call after :meth:`setup`.
+
+        ``mark`` is called with "forward" and "backward" after each row's loss and backward, and
+        with "optimizer" after the step: where ``benchmarks/step_phases.py`` splits its time."""
         cfg = self.cfg
         row_stats: list[dict[str, torch.Tensor]] = []
+        drawn: list[torch.Tensor] = []
         count = tokens = 0
         for micro, row in enumerate(rows):
             if micro == cfg.rows_per_step:
                 raise ValueError(f"train_step: more than rows_per_step ({cfg.rows_per_step}) rows")
             self.total = self.total or self.total_steps(row)
-            n = int(row["features"].shape[0])
-            with GATE.call(self.ctx.stage, n, self.compiled):  # a new length may compile (forward, backward)
-                stats = self._forward_backward(row, micro)
+            batch = FeatureBatch.from_row(row, self.device)
+            anchors = self._anchors(batch, micro)
+            n = int(batch.features.shape[0])
             count, tokens = micro + 1, tokens + n
-            if stats is not None:
-                row_stats.append(stats)
+            drawn.append(anchors)
+            if anchors.numel() == 0:
+                continue
+            with GATE.call(self.ctx.stage, n, self.compiled):  # a new length may compile (forward, backward)
+                row_stats.append(self._forward_backward(batch, anchors, mark))
         if not count:
             return None
         grad_norm, lr = self._optimizer_step(self.total)
+        mark("optimizer")
         self.step += 1
-        return StepStats(rows=count, tokens=tokens, row_stats=row_stats, grad_norm=grad_norm, lr=lr)
+        return StepStats(rows=count, tokens=tokens, row_stats=row_stats, anchors=drawn, grad_norm=grad_norm, lr=lr)
+
+    def _anchors(self, batch: FeatureBatch, micro: int) -> torch.Tensor:
+        """The anchors of the step's ``micro``-th row, seeded by its place in the global batch:
+        one process with rows_per_step=R draws the same anchors as R ranks with one row each."""
+        cfg = self.cfg
+        slot = self.ctx.rank * cfg.rows_per_step + micro
+        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot)) & 0x7FFFFFFFFFFFFFFF)
+        return sample_anchors(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, gen)
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step
@@ -269,26 +268,16 @@ class Trainer:
             return None
         return self.cache_url if compile_cache.save(self.cache_url, self.ctx.logger) else None
 
-    def _forward_backward(self, row: dict[str, Any], micro: int) -> dict[str, torch.Tensor] | None:
+    def _forward_backward(self, batch: FeatureBatch, anchors: torch.Tensor,
+                          mark: Callable[[str], None]) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        features = _borrow(row["features"], self.device)
-        loss_mask = torch.as_tensor(row["loss_mask"]).to(torch.long)
-        # seeded by the row's place in the global batch: one process with rows_per_step=R
-        # draws the same anchors as R ranks with one row each
-        slot = self.ctx.rank * cfg.rows_per_step + micro
-        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot)) & 0x7FFFFFFFFFFFFFFF)
-        anchors = sample_anchors(loss_mask, row["doc_lengths"], cfg.num_anchors, gen)
-        if anchors.numel() == 0:
-            return None
-        last = row.get("last_hidden")
-        out = drafter_loss(
-            self.model, features, torch.as_tensor(row["input_ids"]).long(), loss_mask,
-            torch.as_tensor(row["position_ids"]).long(), row["doc_lengths"], anchors,
-            self.embed, self.head, gamma=cfg.gamma, target=cfg.loss_target,
-            target_hidden=None if last is None else _borrow(last, self.device),
-            chunk_rows=cfg.chunk_rows, pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
-            compile_loss=self.compiled)
+        out = drafter_loss(self.model, batch, anchors, self.embed, self.head, gamma=cfg.gamma,
+                           target=cfg.loss_target, chunk_rows=cfg.chunk_rows,
+                           pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
+                           compile_loss=self.compiled)
+        mark("forward")
         (out.loss / cfg.rows_per_step).backward()
+        mark("backward")
         # tensors, not floats: reading them back would stall the GPU every row; _log syncs once
         return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve,
                 "per_slot_acc": out.per_slot_acc}
@@ -331,47 +320,44 @@ class Trainer:
             self.ctx.logger.error("the %d drafter replicas differ after %d steps (%d distinct weight sets)",
                                   len(every), self.step, distinct)
 
-    def _log(self, window: list[dict[str, torch.Tensor]], grad_norm: torch.Tensor | float, lr: float,
-             tps: float) -> None:
-        if not window:
-            return
-        means = torch.stack([torch.stack([w[k].double().cpu() for k in ("loss", "acc", "tau_sim", "tau_serve")])
-                             for w in window]).mean(0).tolist()  # the one host sync of the window
-        record = {"step": self.step, "loss": means[0], "acc": means[1], "tau_sim": means[2], "tau_serve": means[3],
-                  "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                  "tokens": self.tokens_seen, "elapsed_s": now() - self.started, "time": time.time(),
-                  "per_slot_acc": [round(a, 4) for a in window[-1]["per_slot_acc"].tolist()]}
-        self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
-                                acc=round(record["acc"], 4))
-        shown = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")  # step: trackers' x axis
-        self.ctx.emit({"type": "metrics", **{k: record[k] for k in shown}})
-        if self.ctx.rank == 0:
-            append_metrics(self.metrics_file, record)
-            if self.tb is not None:
-                for key in ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s"):
-                    self.tb.add_scalar(f"train/{key}", record[key], self.step)
-
     # -------------------------------------------------------------- snapshots
     def snapshot(self, final: bool, interrupted: bool = False) -> dict[str, Any]:
-        """Everything a checkpoint needs, copied to CPU so training can go on meanwhile."""
+        """The trainer's state and what the export records, copied to CPU so training can go on
+        while the checkpoint stage writes them (in the layout :func:`read_checkpoint` reads)."""
         tok = tokenizer_metadata(self.ctx.upstream_facts)  # what the tokenize stage upstream published
-        rng = {"cpu": torch.get_rng_state()}
+        state = _to_cpu(self.state_dict())
         return {
             "kind": "state", "step": self.step, "final": final, "interrupted": interrupted,
             "rank": self.ctx.rank,
             "world_size": self.ctx.world_size,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-            "optimizer": _to_cpu(self.opt.state_dict()),
-            "rng": rng,
+            "model": state["model"],
+            "optimizer": state["optimizer"],
+            "rng": state["rng"],
             "drafter_config": self.model.config,
-            "pipeline_state": {self.ctx.stage: {"step": self.step}, **self.data_state},
-            "metrics_file": self.metrics_file,
+            "pipeline_state": {self.ctx.stage: {"step": self.step}, **state["data"]},
+            "metrics_file": self.metrics.path,
             "metadata": {"target": self.target["model"], "tokenizer": tok.get("tokenizer"),
                          "thinking": tok.get("thinking"),
                          "chat_template_kwargs": tok.get("chat_template_kwargs") or {},
                          "heldout": resolve_path(self.cfg.heldout, os.getcwd()) if self.cfg.heldout else None,
-                         "metrics": resolve_path(self.metrics_file, os.getcwd()), "step": self.step},
+                         "metrics": resolve_path(self.metrics.path, os.getcwd()), "step": self.step},
         }
+
+
+def read_checkpoint(ckpt: str, rank: int) -> dict[str, Any]:
+    """This rank's trainer state (:meth:`Trainer.state_dict`'s form) from a checkpoint as
+    checkpoint:fsspec writes it: ``train_state.pt`` (with rank 0's RNG), ``rng.rank<r>.pt`` (the
+    other ranks') and ``pipeline_state.json`` (the data cursors)."""
+    import fsspec
+
+    def load(name: str) -> dict[str, Any]:
+        with fsspec.open(f"{ckpt}/{name}", "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+
+    saved = load(TRAIN_STATE)
+    rngs = saved["rng"] if rank == 0 else load(f"rng.rank{rank}.pt")["rng"]
+    return {"model": saved["model"], "optimizer": saved["optimizer"], "step": saved["step"],
+            "rng": rngs[str(rank)], "data": read_json(f"{ckpt}/{PIPELINE_STATE}") or {}}
 
 
 def weights_digest(model: torch.nn.Module) -> bytes:
@@ -380,18 +366,6 @@ def weights_digest(model: torch.nn.Module) -> bytes:
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())
     return h.digest()
-
-
-def _borrow(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without a host sync, safe to drop right after.
-
-    The producer (extract) allocated ``t`` on its own CUDA stream; this step reads it on the
-    current stream (a peer copy runs on the source device's current stream). Nothing waits for that
-    read before the row is dropped, so the allocator is told about it, or extract could reuse the
-    memory for a later row while the read is still queued."""
-    if t.is_cuda:
-        t.record_stream(torch.cuda.current_stream(t.device))
-    return t.to(device, non_blocking=True)
 
 
 class _StepRows:

@@ -3,7 +3,7 @@ import torch
 from conftest import MASK_ID, make_drafter, packed_row
 from reference import reference_block_logits, reference_loss
 
-from dflash_model.drafter import build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
+from dflash_model.drafter import FeatureBatch, build_blocks, doc_ids_from_lengths, drafter_loss, sample_anchors
 
 SLIDING = dict(layer_types=["full_attention", "sliding_attention"],
                config_kw=dict(use_sliding_window=True, sliding_window=3))
@@ -17,9 +17,10 @@ def _setup(seed=0, n=6, **kw):
     return r, model, anchors, docs
 
 
-def _loss(model, r, anchors, **kw):
-    return drafter_loss(model, r["features"], r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
-                        anchors, r["E"], r["W"], **kw)
+def _loss(model, r, anchors, target_hidden=None, **kw):
+    batch = FeatureBatch(r["features"], r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
+                         target_hidden=target_hidden)
+    return drafter_loss(model, batch, anchors, r["E"], r["W"], **kw)
 
 
 def _grads(model):
@@ -119,9 +120,9 @@ def test_target_argmax_equals_data_loss_when_the_target_predicts_the_data():
     ids = r["input_ids"] % 32
     th = torch.zeros(40, 32, dtype=torch.float64)
     th[:-1] = torch.nn.functional.one_hot(ids[1:], 32).double()  # row p-1 predicts token p
-    args = (model, r["features"], ids, r["loss_mask"], r["position_ids"], r["doc_lengths"], anchors, r["E"], W)
-    data = drafter_loss(*args)
-    tgt = drafter_loss(*args, target="target_argmax", target_hidden=th)
+    batch = FeatureBatch(r["features"], ids, r["loss_mask"], r["position_ids"], r["doc_lengths"], target_hidden=th)
+    data = drafter_loss(model, batch, anchors, r["E"], W)
+    tgt = drafter_loss(model, batch, anchors, r["E"], W, target="target_argmax")
     torch.testing.assert_close(tgt.loss, data.loss, rtol=1e-12, atol=0)
 
 
@@ -180,8 +181,9 @@ def test_tiny_hf_target_end_to_end_with_tied_embeddings():
         hs = target(r["input_ids"][None], output_hidden_states=True).hidden_states
     feats = torch.cat([hs[t + 1][0] for t in ids_], -1)  # id t = output of layer t = hidden_states[t+1]
     anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], 8, torch.Generator().manual_seed(0))
-    out = drafter_loss(drafter, feats, r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"], anchors,
-                       emb, head, target="target_argmax", target_hidden=hs[-1][0])
+    batch = FeatureBatch(feats, r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
+                         target_hidden=hs[-1][0])
+    out = drafter_loss(drafter, batch, anchors, emb, head, target="target_argmax")
     out.loss.backward()
     assert emb.grad is None and out.loss.isfinite()
     assert not any("embed" in n or "lm_head" in n for n in drafter.state_dict())

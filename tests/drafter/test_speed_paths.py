@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import make_drafter, packed_row
 
-from dflash_model.drafter import drafter_loss, sample_anchors
+from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchors
 from dflash_model.drafter.loss import _hard_chunk, _soft_chunk
 
 
-def _loss(model, r, anchors, **kw):
-    return drafter_loss(model, r["features"], r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
-                        anchors, r["E"], r["W"], **kw)
+def _loss(model, r, anchors, target_hidden=None, **kw):
+    batch = FeatureBatch(r["features"], r["input_ids"], r["loss_mask"], r["position_ids"], r["doc_lengths"],
+                         target_hidden=target_hidden)
+    return drafter_loss(model, batch, anchors, r["E"], r["W"], **kw)
 
 
 def _step(model, r, anchors, **kw):

@@ -262,7 +262,7 @@ def test_cli_on_cpu_takes_a_few_prompts_and_shows_tau_so_far(served, cli):
 def test_a_blocks_tau_does_not_depend_on_the_other_anchors_of_the_pass(target, prompts):
     """evaluate reads τ_sim at the served anchors out of one pass over every anchor: each block sees
     the context's features and itself only, so its τ is the same as in a pass over a few anchors."""
-    from dflash_model.drafter import drafter_loss
+    from dflash_model.drafter import FeatureBatch, drafter_loss
     from dflash_model.target.capture import embeddings_and_head
     from dflash_model.target.spec_decode import teacher_forced_tau
 
@@ -281,7 +281,7 @@ def test_a_blocks_tau_does_not_depend_on_the_other_anchors_of_the_pass(target, p
     mask[len(prompt):] = 1
     feats = FeatureCapture(target, [0, 1]).capture(ids[None])[0][0]
     few = [len(prompt) + 1, len(prompt) + 4, len(prompt) + 8]
-    out = drafter_loss(drafter, feats, ids, mask, torch.arange(T), [T], torch.tensor(few), embed, head,
+    out = drafter_loss(drafter, FeatureBatch(feats, ids, mask, torch.arange(T), [T]), torch.tensor(few), embed, head,
                        attn_backend="sdpa")
     assert out.block_tau.tolist() == [every["anchor_tau"][a] for a in few]
     assert len(set(every["anchor_tau"].values())) > 2  # right for long runs of some blocks, not of others
@@ -289,7 +289,7 @@ def test_a_blocks_tau_does_not_depend_on_the_other_anchors_of_the_pass(target, p
 
 def _memorizing_drafter(target, prompts, refs):
     """A DFlash drafter trained on these prompts' greedy completions until it drafts much of them."""
-    from dflash_model.drafter import DFlashDrafter, anchor_candidates, drafter_loss
+    from dflash_model.drafter import DFlashDrafter, FeatureBatch, anchor_candidates, drafter_loss
     from dflash_model.target.capture import embeddings_and_head
 
     torch.manual_seed(0)
@@ -305,8 +305,8 @@ def _memorizing_drafter(target, prompts, refs):
     opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
     for _ in range(60):
         for feats, ids, mask, anchors in rows:
-            out = drafter_loss(drafter, feats, ids, mask, torch.arange(len(ids)), [len(ids)], anchors, embed, head,
-                               attn_backend="sdpa")
+            batch = FeatureBatch(feats, ids, mask, torch.arange(len(ids)), [len(ids)])
+            out = drafter_loss(drafter, batch, anchors, embed, head, attn_backend="sdpa")
             opt.zero_grad()
             out.loss.backward()
             opt.step()

@@ -26,7 +26,7 @@ import contextlib
 import pytest
 import torch
 
-from dflash_model.drafter import DFlashDrafter, anchor_candidates, drafter_loss, export_drafter
+from dflash_model.drafter import DFlashDrafter, FeatureBatch, anchor_candidates, drafter_loss, export_drafter
 import dflash_model.drafter.loss as drafter_loss_module
 from dflash_model.drafter.mask import BlockLayout
 from dflash_model.target.capture import FeatureCapture
@@ -131,9 +131,10 @@ def train(model, seqs: torch.Tensor, layer_ids: list[int], steps: int = 150, per
     rows = seqs.shape[0] // per_step
     for step in range(steps):
         j = (step % rows) * per_step
-        out = drafter_loss(drafter, feats[j:j + per_step].reshape(per_step * T, -1), seqs[j:j + per_step].reshape(-1),
-                           loss_mask.repeat(per_step), torch.arange(T).repeat(per_step), [T] * per_step,
-                           torch.cat([anchors + T * i for i in range(per_step)]), emb, head, attn_backend="sdpa")
+        batch = FeatureBatch(feats[j:j + per_step].reshape(per_step * T, -1), seqs[j:j + per_step].reshape(-1),
+                             loss_mask.repeat(per_step), torch.arange(T).repeat(per_step), [T] * per_step)
+        out = drafter_loss(drafter, batch, torch.cat([anchors + T * i for i in range(per_step)]), emb, head,
+                           attn_backend="sdpa")
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

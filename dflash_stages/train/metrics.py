@@ -1,0 +1,105 @@
+"""What training reports as it goes: one metrics record per window of ``log_every`` steps.
+
+:class:`MetricsLog` is the one place that knows the record: it gathers each step's statistics,
+reads them back from the device once per window (a read every step would make the host wait for
+the GPU), and writes the record to ``metrics.jsonl`` (rank 0), TensorBoard (when installed), the
+progress display and the stage summary. ``dflash-pipe evaluate`` reads the JSONL back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_core import StageContext
+from dflash_stages.train.config import append_metrics, metrics_path, now, truncate_metrics
+
+if TYPE_CHECKING:
+    from dflash_stages.train.trainer import StepStats
+
+MEANS = ("loss", "acc", "tau_sim", "tau_serve")
+"""The per-row statistics a record averages over its window."""
+SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
+"""The fields of the progress event (``step``: the trackers' x axis)."""
+TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s")
+
+
+class MetricsLog:
+    """The metrics of one training run, on every rank alike; only rank 0 writes files."""
+
+    def __init__(self, ctx: StageContext, every: int) -> None:
+        self.ctx, self.every = ctx, every
+        self.path = metrics_path(ctx)
+        self.tb: Any = None
+        self.window: list[dict[str, torch.Tensor]] = []
+        self.grad_norm: torch.Tensor | float = float("nan")
+        self.start()
+
+    def open(self, step: int, resumed: bool) -> None:
+        """Make the file and TensorBoard ready for the steps after ``step``: a resumed run keeps
+        what was logged up to its checkpoint (the later steps are logged again), a fresh run
+        starts them empty."""
+        if self.ctx.rank != 0:
+            return
+        if resumed:
+            truncate_metrics(self.path, step)
+        elif "://" not in self.path and os.path.exists(self.path):
+            os.remove(self.path)
+        if "://" in self.ctx.run_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard not installed: JSONL metrics only
+            return
+        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"),
+                                purge_step=step + 1 if resumed else None)
+
+    def start(self) -> None:
+        """Rates and elapsed time count from now (the loop's start, not the model's build)."""
+        self.started = self.window_start = now()
+        self.tokens = self.window_from = 0
+
+    def add(self, stats: StepStats) -> None:
+        """A step's rows join the window (a stream's last, partial step's too)."""
+        self.tokens += stats.tokens
+        self.window += stats.row_stats
+        self.grad_norm = stats.grad_norm
+
+    def stepped(self, step: int, total: int | None, stats: StepStats) -> None:
+        """A whole step is done: the display counts it, and the window is written where it ends
+        (every ``log_every`` steps, and at the schedule's last step)."""
+        self.ctx.progress(1, total=total, unit="steps", tokens=stats.tokens)
+        if step % self.every == 0 or step == total:
+            self.write(step, stats.lr)
+
+    def write(self, step: int, lr: float) -> None:
+        """Write the window's record (none for a window without anchors) and start the next."""
+        if self.window:
+            self._write(self.record(step, lr))
+        self.window, self.window_from, self.window_start = [], self.tokens, now()
+
+    def record(self, step: int, lr: float) -> dict[str, Any]:
+        """The window's metrics record, as ``metrics.jsonl`` holds it."""
+        rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
+        means = torch.stack([torch.stack([w[k].double().cpu() for k in MEANS])
+                             for w in self.window]).mean(0).tolist()  # the one host sync of the window
+        return {"step": step, **dict(zip(MEANS, means)), "lr": lr, "grad_norm": float(self.grad_norm), "tokens_per_s": rate,
+                "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
+                "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
+                                acc=round(record["acc"], 4))
+        self.ctx.emit({"type": "metrics", **{k: record[k] for k in SHOWN}})
+        if self.ctx.rank == 0:
+            append_metrics(self.path, record)
+            if self.tb is not None:
+                for key in TENSORBOARD:
+                    self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,37 @@
+"""When the trainer hands its state to the checkpoint stage.
+
+Three occasions: every ``every`` steps (the cadence), once when the stream or the step limit ends
+training (the final snapshot), and once when an interrupt stops it. What constrains them is the
+data cursor a snapshot carries: with N producer ranks feeding each drafter replica (an N -> M
+fan-in) one cursor fits every producer only after a step where each has sent as many rows, so the
+cadence must fall on such steps and an interrupt waits for the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    every: int
+    """Steps between snapshots; 0: only at the end."""
+    fan_in: int = 1
+    """Producer ranks feeding each replica."""
+    rows_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fan_in > 1 and self.every and (self.every * self.rows_per_step) % self.fan_in:
+            raise ValueError(
+                f"{self.fan_in} producer ranks feed each drafter replica: checkpoints must fall where "
+                f"each has sent as many rows, so every_steps x rows_per_step ({self.every} x "
+                f"{self.rows_per_step}) must be a multiple of {self.fan_in}")
+
+    def due(self, step: int) -> bool:
+        """A snapshot after this step, by the cadence?"""
+        return bool(self.every) and step % self.every == 0
+
+    def boundary(self, step: int) -> bool:
+        """After ``step`` whole steps, has every producer rank sent as many rows (one data
+        cursor fits them all, so the run may be snapshotted or stopped here)?"""
+        return step * self.rows_per_step % self.fan_in == 0

@@ -1,0 +1,82 @@
+"""The trainer's metrics log: one record per window of ``log_every`` steps (and one for what is left
+at the end), with the window's means, the last step's LR and gradient norm, and the window's rate,
+written to metrics.jsonl, sent as a metrics event and kept in the summary; a resumed run keeps the
+records up to its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_core import StageContext
+from dflash_core.items import METRICS_RECORD
+from dflash_stages.train import metrics
+from dflash_stages.train.metrics import MetricsLog
+from dflash_stages.train.trainer import StepStats
+
+
+def stats(losses: list[float], tokens: int, lr: float, grad_norm: float) -> StepStats:
+    """A step whose rows had these losses (accuracy half the loss, τ_sim 1 + the loss, τ_serve 1)."""
+    rows = [{"loss": torch.tensor(x), "acc": torch.tensor(x / 2, dtype=torch.float64),
+             "tau_sim": torch.tensor(1 + x, dtype=torch.float64), "tau_serve": torch.tensor(1.0, dtype=torch.float64),
+             "per_slot_acc": torch.tensor([x, 0.123456], dtype=torch.float64)} for x in losses]
+    return StepStats(rows=len(rows), tokens=tokens, row_stats=rows, anchors=[], grad_norm=torch.tensor(grad_norm),
+                     lr=lr)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The log's clocks, set by the test: [perf counter seconds, Unix time]."""
+    now = [0.0, 1.7e9]
+    monkeypatch.setattr(metrics, "now", lambda: now[0])
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: now[1]))
+    return now
+
+
+def test_a_record_per_window_and_one_for_the_rest(tmp_path: Path, clock: list[float]) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    ctx = StageContext(stage="train", config=None, run_dir=str(tmp_path), work_dir=str(tmp_path),
+                       emitter=lambda stage, event: events.append((stage, event)))
+    log = MetricsLog(ctx, every=2)
+    log.open(0, resumed=False)
+    log.start()
+    clock[0] = 1.0
+    for step, done in enumerate([stats([1.0, 3.0], 100, 0.5, 4.0), stats([2.0], 60, 0.25, 2.0)], start=1):
+        log.add(done)
+        log.stepped(step, None, done)
+    clock[:] = [4.0, 1.7e9 + 4]
+    last = stats([0.5], 30, 0.125, 1.0)
+    log.add(last)  # a last, partial step: no stepped(), written by the closing write
+    log.write(3, 0.0625)
+    log.close()
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [
+        {"step": 2, "loss": 2.0, "acc": 1.0, "tau_sim": 3.0, "tau_serve": 1.0, "lr": 0.25, "grad_norm": 2.0,
+         "tokens_per_s": 160.0, "tokens": 160, "elapsed_s": 1.0, "time": 1.7e9, "per_slot_acc": [2.0, 0.1235]},
+        {"step": 3, "loss": 0.5, "acc": 0.25, "tau_sim": 1.5, "tau_serve": 1.0, "lr": 0.0625, "grad_norm": 1.0,
+         "tokens_per_s": 10.0, "tokens": 190, "elapsed_s": 4.0, "time": 1.7e9 + 4, "per_slot_acc": [0.5, 0.1235]},
+    ]
+    assert all(METRICS_RECORD.matches(r) for r in records)
+    shown = [e for _, e in events if e["type"] == "metrics"]
+    assert shown == [{"type": "metrics", **{k: r[k] for k in metrics.SHOWN}} for r in records]
+    assert ctx.summary == {"loss": 0.5, "tau_sim": 1.5, "acc": 0.25}
+
+
+def test_a_resumed_log_keeps_the_records_up_to_its_step(tmp_path: Path, clock: list[float]) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20, 30)) + '{"step": 4')
+    ctx = StageContext(stage="train", config=None, run_dir=str(tmp_path), work_dir=str(tmp_path))
+    log = MetricsLog(ctx, every=10)
+    log.open(20, resumed=True)
+    log.close()
+    assert path.read_text() == '{"step": 10}\n{"step": 20}\n'
+    fresh = MetricsLog(ctx, every=10)
+    fresh.open(0, resumed=False)  # a fresh run in the same directory starts it anew
+    fresh.close()
+    assert not path.exists()
