@@ -177,7 +177,7 @@ def measure(opts: dict[str, Any], tile: int, args: argparse.Namespace, ref_path:
 
     pairs = s["pairs"] * 32  # attended (query, key) pairs over all query heads
     return {"tile": tile, "compile_s": compile_s, "fwd_ms": fwd_ms, "bwd_ms": fb_ms - fwd_ms, "fwd_bwd_ms": fb_ms,
-            # DESIGN §8 attention FLOPs: 4·P·d forward, 2.5x that for the backward
+            # attention FLOPs (docs/drafter.md, 'FLOP model'): 4·P·d forward, 2.5x that for the backward
             "fwd_tflops": 4 * pairs * 128 / fwd_ms / 1e9, "bwd_tflops": 10 * pairs * 128 / (fb_ms - fwd_ms) / 1e9,
             "err": {"out": rel(out, ref["out"]), "dq": rel(q.grad, ref["dq"]), "dk": rel(k.grad, ref["dk"]),
                     "dv": rel(v.grad, ref["dv"])}}

@@ -7,7 +7,7 @@ back to back, and the whole pipeline (pack:random -> extract -> train) through t
                                                                   # smoke test (the defaults are slow on a CPU)
     python benchmarks/online.py --tokens 16384 --attn both --target-only   # sdpa vs packed_flex
 
-Random weights at real shapes (nothing downloaded). FLOPs: DESIGN §8 (target forward =
+Random weights at real shapes (nothing downloaded). FLOPs: docs/drafter.md, 'FLOP model' (target forward =
 2 x non-embedding params x T + causal attention within documents).
 
 ``--attn``: the target's attention on packed rows — sdpa (4D additive mask), packed_flex

@@ -120,7 +120,7 @@ def batch(docs: Sequence[Document], device: Any) -> tuple[Any, Any, Any]:
 
 
 def step_cost(drafter_cfg: Any, seq_len: int, counts: Sequence[int], num_anchors: int) -> tuple[int, float]:
-    """(anchor blocks trained, drafter FLOPs by DESIGN §8's model, attention left out) of one
+    """(anchor blocks trained, drafter FLOPs by the model of docs/drafter.md, 'FLOP model', attention left out) of one
     SpecForge step on documents with ``counts`` candidates padded to ``seq_len``: each document
     gets min(num_anchors, its candidates) blocks, every document is padded to the batch's widest
     block count, and its LM head runs on every slot of every block."""

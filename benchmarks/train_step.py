@@ -1,4 +1,4 @@
-"""Drafter training-step benchmark: step time, tokens/s, TFLOP/s (DESIGN §8 FLOP model), peak memory.
+"""Drafter training-step benchmark: step time, tokens/s, TFLOP/s (docs/drafter.md, 'FLOP model'), peak memory.
 
 What it times is the train stage's own step, ``Trainer.train_step`` (the step ``Trainer.fit``
 takes), on a trainer set up as a run sets it up: the drafter it builds for Qwen3-8B (random

@@ -143,7 +143,7 @@ class DrafterConfig:
         return p
 
     def to_export_dict(self) -> dict[str, Any]:
-        """config.json of the z-lab served format (DESIGN §7), field for field."""
+        """config.json of the z-lab served format (docs/drafter.md, 'Served format'), field for field."""
         out: dict[str, Any] = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -1,4 +1,5 @@
-"""The DESIGN §8 FLOP model of one drafter training step (for TFLOP/s and MFU figures)."""
+"""The FLOP model of one drafter training step, for TFLOP/s and MFU figures (docs/drafter.md,
+'FLOP model')."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Sequence
 
 from dflash_model.drafter.config import DrafterConfig
 
-H200_BF16_PEAK = 744e12  # the MFU denominator: DESIGN §8's bf16 matmul rate of the H200
+H200_BF16_PEAK = 744e12  # the MFU denominator: the H200's measured bf16 matmul rate (docs/benchmarks.md)
 
 
 def training_flops(cfg: DrafterConfig, num_tokens: int, num_anchors: int,

@@ -76,7 +76,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
     The gradient w.r.t. h (softmax - target, times coef, @ weight) is formed chunk by chunk in the
     forward pass, so only one [chunk, V] block of logits ever lives and backward is a scale: two
-    LM-head matmuls per row in all (the DESIGN §8 model). ``weight`` is frozen (no gradient).
+    LM-head matmuls per row in all (docs/drafter.md, 'FLOP model'). ``weight`` is frozen (no gradient).
     Rows are split into equal chunks (zero-coefficient rows pad the last one) so that a compiled
     chunk function sees one shape. Returns (loss, draft argmax [R], target token [R]).
     """

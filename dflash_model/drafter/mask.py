@@ -120,7 +120,7 @@ class BlockLayout:
         return visible.view(N, n_kv, tile).sum(-1, dtype=torch.int32).repeat_interleave(B, dim=0)
 
     def attended_pairs(self, sliding_window: int | None = None) -> int:
-        """Number of True entries of the mask (the P of the DESIGN §8 FLOP model), without building it."""
+        """Number of True entries of the mask (the P of docs/drafter.md's FLOP model), without building it."""
         B, ctx = self.block_size, self.ctx_doc
         if self.num_context:  # context rows of the anchor's document strictly before the anchor
             starts = _doc_starts(ctx)

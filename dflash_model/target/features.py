@@ -24,7 +24,7 @@ from dflash_model.target.load import load_target
 
 
 def feature_layer_ids(layers: str | Sequence[int], num_features: int, n_layers: int) -> list[int]:
-    """The target layers to read: DESIGN's rule for ``auto`` (``num_features`` of the target's
+    """The target layers to read: for ``auto``, the rule of docs/drafter.md, 'Math' (``num_features`` of the target's
     ``n_layers``), else as given (``FeatureCapture`` checks them)."""
     from dflash_model.drafter import default_target_layer_ids
 

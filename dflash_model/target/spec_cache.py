@@ -4,7 +4,7 @@ A KV layer forgets rejected drafts by cropping. A linear-attention layer (Qwen3.
 any layer transformers caches as ``LinearAttentionCacheLayerMixin``) keeps a conv window and a
 recurrent state into which the verify forward has already folded every draft, accepted or not; that
 state cannot be cropped (transformers refuses), so the decode loop snapshots it before verifying and,
-when a draft is rejected, restores the snapshot and re-runs the kept tokens (DESIGN §10).
+when a draft is rejected, restores the snapshot and re-runs the kept tokens (docs/hybrid_targets.md, 'The Qwen3.6-27B shape').
 """
 
 from __future__ import annotations

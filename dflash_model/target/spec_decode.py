@@ -1,6 +1,6 @@
 """Greedy speculative decoding against a real target with a KV cache (pure functions, torch only).
 
-The loop (DESIGN §7, "Inference / evaluation")::
+The loop (docs/evaluate.md, 'What is measured')::
 
     prefill the prompt (KV cache, hooks on the chosen layers) -> first token t, context features
     repeat until max_new_tokens (or EOS):
@@ -10,7 +10,7 @@ The loop (DESIGN §7, "Inference / evaluation")::
         own token after them; keep the features of t, drafts[:n]; crop the cache to them
         tau = n + 1
 
-On a hybrid target (linear-attention layers, DESIGN §10) cropping is not enough: the linear layers'
+On a hybrid target (linear-attention layers, docs/hybrid_targets.md) cropping is not enough: the linear layers'
 state is snapshotted before the verify forward and, when a draft was rejected, restored, and the
 kept tokens [t, drafts[:n]] run again (:mod:`dflash_model.target.spec_cache`), whose features are then
 the ones kept; fully accepted blocks need no second forward.

@@ -12,7 +12,7 @@ baseline, τ_sim and the train/serve gap. No files, no tokenizer: ``export.py`` 
   they start (``runs.ngram_split``): whether a drafter loses on text it could copy or on new text;
 * τ_sim — the same drafter on the same prompts + its served outputs, teacher-forced through the
   training code (``drafter_loss``); ``gap = (τ_sim − τ) / τ_sim``, flagged when |gap| > 10%:
-  the signature of something that differs between training and serving (DESIGN §7 pitfalls).
+  the signature of something that differs between training and serving (docs/drafter.md, 'Pitfalls').
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class EvaluateConfig:
     every: int = field(default=1, metadata={
         "help": "Evaluate every N-th checkpoint (and always the final one)."})
     prompts: str | None = field(default=None, metadata={
-        **PATH_FIELD, "help": "JSONL of records (DESIGN §6); default: the held-out set recorded in "
+        **PATH_FIELD, "help": "JSONL of records (docs/tokenize.md, 'Input records'); default: the held-out set recorded in "
                               "the export."})
     num_prompts: int = field(default=16, metadata={"help": "Prompts used (the first N of the file)."})
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per prompt."})

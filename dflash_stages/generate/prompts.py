@@ -1,4 +1,5 @@
-"""Prompts from DESIGN §6 records: what a server would be handed, as the target's token ids.
+"""Prompts from input records (docs/tokenize.md, 'Input records'): what a server would be
+handed, as the target's token ids.
 
 Shared by ``generate`` (which completes them with the target) and ``evaluate`` (which decodes them
 speculatively), so that both see a record's prompt exactly the same way.

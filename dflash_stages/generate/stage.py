@@ -7,9 +7,10 @@ records, each sampled with its own seed and named ``<id>#<seed>``)::
 
     {"id", "messages": [...prompt, {"role": "assistant", "content": completion}], "finish", "source", "line"}
 
-* Prompts are DESIGN §6 records (``messages``, ShareGPT ``conversations``, or ``prompt``): the
-  conversation before the last assistant turn (:func:`dflash_stages.generate.prompts.record_messages`), rendered
-  with the chat template's generation prompt (``thinking`` for Qwen templates).
+* Prompts are tokenize's input records (docs/tokenize.md; ``messages``, ShareGPT
+  ``conversations``, or ``prompt``): the conversation before the last assistant turn
+  (:func:`dflash_stages.generate.prompts.record_messages`), rendered with the chat template's
+  generation prompt (``thinking`` for Qwen templates).
 * Records without a usable prompt (undecodable, empty, unknown format, longer than
   ``max_prompt_tokens``, a template error) are skipped, written to ``skipped.jsonl`` with the reason
   and counted in the summary; they never stop the run.

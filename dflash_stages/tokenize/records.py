@@ -1,6 +1,6 @@
 """tokenize:chat_template — one JSONL line to a normalized conversation (pure Python, no heavy imports).
 
-Accepted records (DESIGN §6)::
+Accepted records (docs/tokenize.md, 'Input records')::
 
     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str,
                    "reasoning_content"?: str, "tool_calls"?: [...], ...}, ...], "tools"?: [...]}

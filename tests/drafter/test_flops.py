@@ -31,4 +31,4 @@ def test_flop_model_qwen3_8b_reference_step_is_about_76_tflop():
     # 8192-token row, 512 anchors, B=16; P: each query sees its block (16) + ~1/2 of a 2731-token document
     P = 512 * 16 * (16 + 2731 // 2)
     step = training_flops(_cfg(), 8192, 512, P)["step"]
-    assert 74e12 < step < 78e12  # DESIGN §8 quotes 76.2 TFLOP for this configuration
+    assert 74e12 < step < 78e12  # docs/benchmarks.md, 'Reference figures': 76.2 TFLOP for this configuration

@@ -23,7 +23,7 @@ from dflash_stages.train.trainer import Trainer
 REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"
 
 PUBLISHED_QWEN3_5_27B = {
-    # z-lab's Qwen3.5-27B DFlash drafter config, as republished (DESIGN §10)
+    # z-lab's Qwen3.5-27B DFlash drafter config, as republished (docs/drafter.md, 'Attention shape for the target's family')
     "model_type": "qwen3", "num_hidden_layers": 5, "hidden_size": 5120, "intermediate_size": 17408,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e7,
     "max_position_embeddings": 262144, "vocab_size": 248320, "block_size": 16,

@@ -1,4 +1,4 @@
-"""Speculative decoding and evaluate on a hybrid target (DESIGN §10): a tiny random Qwen3.5 text model,
+"""Speculative decoding and evaluate on a hybrid target (docs/hybrid_targets.md): a tiny random Qwen3.5 text model,
 three Gated DeltaNet layers and one full-attention layer, fp32 on CPU.
 
 The linear layers' conv and recurrent state must be rolled back when drafts are rejected; the

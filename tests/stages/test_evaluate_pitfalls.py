@@ -1,4 +1,4 @@
-"""Plant the DESIGN §7 pitfalls in a trained drafter: served τ collapses, τ_sim (measured the same
+"""Plant the pitfalls of docs/drafter.md ('Pitfalls') in a trained drafter: served τ collapses, τ_sim (measured the same
 broken way training measures it) stays high, and the evaluate report flags the gap.
 
 The target is a tiny Qwen3 with hand-set weights whose greedy continuation is exactly learnable:
