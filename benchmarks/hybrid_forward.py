@@ -20,6 +20,7 @@ A table comes last.
 
     python benchmarks/hybrid_forward.py
     python benchmarks/hybrid_forward.py --config qwen3_5_text.json --tokens 8192 --reps 10
+    python benchmarks/hybrid_forward.py --fp8                        # FP8 linear layers
     python benchmarks/hybrid_forward.py --device cpu --tiny          # smoke test, fp32, seconds
 """
 
@@ -41,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.fast.settings import compile_wanted
+from dflash_model.target import fp8
 from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.features import load_feature_target
 from dflash_model.target.layers import decoder_layers
@@ -66,6 +68,8 @@ def target_config(args: argparse.Namespace) -> dict[str, Any]:
         raw = json.loads(Path(args.config).read_text())
     else:
         raw = dict(TINY if args.tiny else QWEN36_27B)
+    if args.fp8:
+        raw["quantization_config"] = fp8.quantization_config()
     pattern = raw.get("layer_types")
     if pattern:  # a short pattern repeats to the layer count; none: the config class's default
         raw["layer_types"] = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
@@ -118,8 +122,10 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model, fp32, short rows (smoke test)")
     p.add_argument("--config", help="a qwen3_5_text config JSON (model_type included) instead of the 27B shape")
+    p.add_argument("--fp8", action="store_true", help="the linear layers in Qwen's block-scaled FP8 format "
+                   "(the published Qwen3.6-27B-FP8's; dflash_model.target.fp8)")
     p.add_argument("--tokens", default=None, help="row lengths, comma-separated (default 8192,16384; tiny 256)")
-    p.add_argument("--layers", default=None, help="feature layer ids (default: DESIGN's 5 for the layer count)")
+    p.add_argument("--layers", default=None, help="feature layer ids (default: 5 spread over the layers, docs/drafter.md, 'Math')")
     p.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 elsewhere")
     p.add_argument("--attn", default="auto", help="auto (packed_flex on CUDA) | sdpa | packed_flex")
     p.add_argument("--compile", default="auto", help="compile the decoder layers for the timing: auto | on | off")
