@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core.artifacts import ArtifactStore, join
-from dflash_core.events import Failed, Failure, Finished, Started, Stopped, root_cause
+from dflash_core.events import (Failed, Failure, Finished, Lifecycle, Started, Stopped,
+                                root_cause)
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
 from dflash_core.links import POLL_S, Channel, close_all, fan_out
@@ -26,7 +27,7 @@ from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
                                   semantic_params, stage_key)
 from dflash_core.stage import StageContext
-from dflash_core.vocabulary import Executor, Link, Status
+from dflash_core.vocabulary import Executor, Freshness, Link, Status
 
 QUEUE_BOUND = 8
 STOP_GRACE_S = 1.0
@@ -126,12 +127,12 @@ class Runner:
                 if upstream in chosen:
                     continue
                 st = statuses[upstream]
-                if self.p.link(upstream, stage) == Link.STREAM or st.state == "streamed":
+                if self.p.link(upstream, stage) == Link.STREAM or st.state == Freshness.STREAMED:
                     raise Refused(
                         f"cannot run '{stage}' alone: its input '{upstream}' is streamed, not "
                         f"materialized (run the whole pipeline, or set 'link: materialize' on "
                         f"'{stage}')")
-                if st.state != "fresh":
+                if st.state != Freshness.FRESH:
                     raise Refused(f"cannot run '{stage}': its input '{upstream}' is {st.state}: "
                                   f"{st.cause} (run 'dflash-pipe run' without --only first)")
                 needed[upstream] = st
@@ -161,7 +162,7 @@ class Runner:
                 # as _cached: a stage fed by a stream link is never skipped
                 out.append(Decision(stage, "run", f"input '{streamed_in[0]}' is streamed: "
                                                    "runs with it"))
-            elif st.state == "fresh":
+            elif st.state == Freshness.FRESH:
                 out.append(Decision(stage, "cached", f"fresh artifact {st.key}"))
             else:
                 out.append(Decision(stage, "run", st.cause))
@@ -525,7 +526,7 @@ class _Supervisor:
                     return
                 time.sleep(0.01)
 
-    def _on_event(self, stage: str, event: Any) -> None:
+    def _on_event(self, stage: str, event: dict[str, Any] | Lifecycle) -> None:
         """A worker's report: a lifecycle event (the engine's) or a dict the stage emitted."""
         res = self.results.get(stage)
         if isinstance(event, Started):

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_core.artifacts import ArtifactStore, artifact_key, join, read_json, write_json
 from dflash_core.pipeline import Pipeline
-from dflash_core.vocabulary import Link
+from dflash_core.vocabulary import Freshness, Link
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
@@ -47,9 +47,10 @@ def stage_key(pipeline: Pipeline, stage: str, upstream_digests: dict[str, str]) 
 
 @dataclass
 class StageStatus:
+    """A stage's output in the run dir, and the first cause found when it is not fresh."""
+
     stage: str
-    state: str
-    """fresh | stale | missing | streamed"""
+    state: Freshness
     cause: str = ""
     key: str | None = None
     digest: str | None = None
@@ -77,18 +78,19 @@ def analyse(pipeline: Pipeline, store: ArtifactStore, record: RunRecord) -> dict
             consumers = ", ".join(pipeline.consumers(stage))
             cause = (f"output is streamed to {consumers}, not stored" if consumers else
                      "output is not stored (a last stage with a stream link by default)")
-            out[stage] = StageStatus(stage, "streamed", cause)
+            out[stage] = StageStatus(stage, Freshness.STREAMED, cause)
             continue
         if rec is None:
-            out[stage] = StageStatus(stage, "missing", "never materialized in this run dir")
+            out[stage] = StageStatus(stage, Freshness.MISSING, "never materialized in this run dir")
             continue
         if not store.exists(stage, rec["key"]):
-            out[stage] = StageStatus(stage, "missing", f"artifact {rec['key']} is gone or incomplete")
+            out[stage] = StageStatus(stage, Freshness.MISSING,
+                                      f"artifact {rec['key']} is gone or incomplete")
             continue
-        status = StageStatus(stage, "fresh", "", rec["key"], rec["digest"])
+        status = StageStatus(stage, Freshness.FRESH, "", rec["key"], rec["digest"])
         cause = _stale_cause(pipeline, stage, rec, out, record)
         if cause:
-            status.state, status.cause = "stale", cause
+            status.state, status.cause = Freshness.STALE, cause
         out[stage] = status
     return out
 
@@ -106,9 +108,9 @@ def _stale_cause(pipeline: Pipeline, stage: str, rec: dict[str, Any],
             return f"param '{name}' changed: {was.get(name)!r} -> {now.get(name)!r}"
     for upstream in spec.after.values():
         up = known[upstream]
-        if up.state == "streamed":
+        if up.state == Freshness.STREAMED:
             return f"input '{upstream}' is streamed, not stored"
-        if up.state != "fresh":
+        if up.state != Freshness.FRESH:
             return f"upstream '{upstream}' is {up.state} ({up.cause})"
         if rec.get("upstream", {}).get(upstream) != up.digest:
             return f"upstream '{upstream}' output changed since this artifact was made"

@@ -39,6 +39,20 @@ class Status(Word):
     """Ended by the runner (another stage failed, or the run was interrupted)."""
 
 
+class Freshness(Word):
+    """What a run directory holds of a stage's output, compared with the pipeline file as it is
+    now (``dflash-pipe status``, ``--only``, ``--dry-run``)."""
+
+    FRESH = "fresh"
+    """Its artifact exists and was made from the same params, version and inputs."""
+    STALE = "stale"
+    """Its artifact exists, but something it was made from has changed since."""
+    MISSING = "missing"
+    """Never made in this run dir, or gone or incomplete."""
+    STREAMED = "streamed"
+    """Its output is never stored: it goes to its consumers by stream links."""
+
+
 class Link(Word):
     """How a stage's input reaches it from its upstream (``link:`` in the pipeline file)."""
 
