@@ -134,10 +134,11 @@ def _nested_dataclass(tp: Any) -> type | None:
     return None
 
 
-def config_schema(config_cls: type) -> list[ParamInfo]:
+def config_schema(config_cls: type, nested: bool = False, prefix: str = "") -> list[ParamInfo]:
     """``(name, type string, default, help)`` per init field (:func:`field_help`).
 
-    A field without default has ``default`` :data:`REQUIRED`.
+    A field without default has ``default`` :data:`REQUIRED`. ``nested``: a field holding a
+    dataclass is followed by that dataclass's fields, named ``field.sub``.
     """
     hints = field_types(config_cls)
     rows = []
@@ -151,7 +152,10 @@ def config_schema(config_cls: type) -> list[ParamInfo]:
                 default = REQUIRED
         else:
             default = REQUIRED
-        rows.append(ParamInfo(f.name, type_name(hints[f.name]), default, field_help(f)))
+        rows.append(ParamInfo(prefix + f.name, type_name(hints[f.name]), default, field_help(f)))
+        inner = _nested_dataclass(hints[f.name]) if nested else None
+        if inner is not None:
+            rows += config_schema(inner, nested, f"{prefix}{f.name}.")
     return rows
 
 

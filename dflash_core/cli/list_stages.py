@@ -57,6 +57,6 @@ def params_table(uses: str, config_cls: type) -> Table:
     table.add_column("param", no_wrap=True)
     for col in ("type", "default", "help"):
         table.add_column(col)
-    for row in config_schema(config_cls):
+    for row in config_schema(config_cls, nested=True):
         table.add_row(row.name, row.type, repr(row.default), row.doc)
     return table

@@ -260,6 +260,8 @@ def test_list_stages_verbose_shows_each_params_help(cli):
         for f in dataclasses.fields(config):
             opening = " ".join(f.metadata["help"].split()[:4])
             assert re.search(rf"│ {f.name} +│.*│ {re.escape(opening)}", table), (uses, f.name)
+    nested = cli("list-stages", "train", "-v").out  # a nested dataclass's params follow their parent
+    assert re.search(r"│ drafter_attention\.rope_theta +│ float \| None +│ None +│ plain full-rotary", nested)
 
 
 def test_validate_names_a_choice_params_allowed_values_and_its_help(cli, write_pipeline):
