@@ -1,9 +1,10 @@
-"""The engine's words: a stage's status, how a link carries items, where a stage runs.
+"""The engine's words: a stage's status in a run, what a run dir holds of its output, how a
+link carries items, where a stage runs.
 
 Each is a ``str``-valued enum whose members print as their value, so they stand where plain
-strings stood before: a pipeline file's ``link: stream``, a ``state.json`` written by an older
-run, a plugin's ``status == "done"`` and ``"stream" in (...)`` all keep working, while the
-engine's own code names the member and a typo fails at import rather than at run time.
+strings stood before: a pipeline file's ``link: stream``, a plugin's ``status == "done"``, JSON
+written with them all keep working, while the engine's own code names members, and a misspelt
+one raises instead of quietly comparing unequal.
 """
 
 from __future__ import annotations
