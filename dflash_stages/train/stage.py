@@ -12,21 +12,41 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
+from dflash_core.facts import SNAPSHOT_EVERY, snapshot_cadence
+from dflash_core.items import TRAIN_STATE
+from dflash_core.pipeline import Pipeline, Problem
 from dflash_core.rows import FEATURE_ROW, TARGET_HEADER, check_fields, checked, is_target_header
 from dflash_stages.train.config import TrainConfig
+from dflash_stages.train.snapshots import SnapshotPolicy
 
 
 class DFlashTrain(Stage):
     kind = "train"
     name = "dflash"
     Config = TrainConfig
-    inputs = ("features",)
+    inputs = {"features": FEATURE_ROW}
+    output = TRAIN_STATE
     needs_torch = True
     stops_at_interrupt = True
     # imported before the stage threads start: extract's thread imports dflash_model.drafter
     # (through dflash_model.target) while this one would, and two threads importing one package can deadlock
     preload = ("dflash_stages.train.trainer",)
     cache_ignore = ("log_every",)
+
+    @classmethod
+    def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
+        """Snapshots must fall where every producer rank of a fan-in has sent as many rows: the
+        trainer would refuse the cadence at its first step; say so before anything starts."""
+        cfg: TrainConfig = pipeline.stages[name].config
+        consumers = pipeline.consumer_facts(name)
+        every = cfg.checkpoint_every or snapshot_cadence(consumers)
+        try:
+            SnapshotPolicy(every, pipeline.fan_in(name).get("features", 1), cfg.rows_per_step)
+        except ValueError as exc:
+            askers = [repr(c) for c, f in consumers.items() if f.get(SNAPSHOT_EVERY)]
+            owner = "its checkpoint_every" if cfg.checkpoint_every else f"the cadence {', '.join(askers)} asks for"
+            return [Problem(name, f"'{name}' snapshots every {every} steps ({owner}), but {exc}", ("ranks",))]
+        return ()
 
     @classmethod
     def report(cls, summary: dict[str, Any]) -> Any:
