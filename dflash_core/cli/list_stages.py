@@ -28,14 +28,14 @@ def run(args: argparse.Namespace) -> int:
                           f"kinds: {', '.join(kinds) or 'none'}")
         return EXIT_CONFIG
     chosen = [(key, cls) for key, cls in pm.registry.items() if not args.kind or key[0] == args.kind]
-    rows = [(":".join(key), pm.registry.owner(*key), ", ".join(cls.inputs) or "-",
+    rows = [(":".join(key), pm.registry.owner(*key), _ports(cls), f"{cls.output.name}s" if cls.output else "-",
              cls.default_link, ", ".join(f"{f[0]}: {f[1]} = {f[2]!r}" if len(f) > 2 else str(f[0])
                                          for f in config_schema(cls.Config)))
             for key, cls in chosen]
     table = Table(title="stage implementations")
     # the uses column is what people type into a pipeline file: never cut, the others wrap
     table.add_column("uses", no_wrap=True, min_width=max((len(r[0]) for r in rows), default=4))
-    for col in ("plugin", "inputs", "link", "params"):
+    for col in ("plugin", "inputs", "output", "link", "params"):
         table.add_column(col)
     for row in rows:
         table.add_row(*row)
@@ -60,3 +60,11 @@ def params_table(uses: str, config_cls: type) -> Table:
     for row in config_schema(config_cls, nested=True):
         table.add_row(row.name, row.type, repr(row.default), row.doc)
     return table
+
+
+def _ports(cls: type) -> str:
+    """Each input port with the item types it takes (an untyped port: its name alone)."""
+    from dflash_core.items import describe, port_types
+
+    return ", ".join(f"{port}: {describe(types)}" if types else port
+                     for port, types in port_types(cls).items()) or "-"

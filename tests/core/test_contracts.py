@@ -61,6 +61,11 @@ def test_untyped_ports_of_third_party_stages_take_any_item(cli, write_pipeline) 
     assert res.code == 0, res.text
 
 
+def test_list_stages_shows_each_ports_types_and_the_output(cli) -> None:
+    res = cli("list-stages", "extract")
+    assert res.code == 0 and res.lines_with("extract:hf_hooks", "rows: packed rows", "feature rows"), res.text
+
+
 # ------------------------------------------------------------------------------ stage checks
 
 TOKENIZE_TOO_LONG = """
