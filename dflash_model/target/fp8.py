@@ -186,20 +186,28 @@ class FP8BlockLinear(nn.Module):
         """The float32 weight this layer stands for."""
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
 
-    def _scaled_mm_fits(self, x: torch.Tensor) -> bool:
-        # block scaling in _scaled_mm wants 128-wide groups and whole blocks on both operands
+    def fp8_product_fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through :meth:`fp8_product`: FP8 tensor cores, and 128-wide groups and
+        whole blocks on both operands, which block scaling in ``_scaled_mm`` wants."""
         return (fp8_product_available(x.device) and self.block == (BLOCK, BLOCK)
                 and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0)
 
+    def fp8_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] -> [M, out] in rows' dtype: the fused activation quantization, then the
+        product of the fp8 operands with both block scales on the tensor cores."""
+        q, scale = _quantize_for_product(rows)
+        return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale_inv.t(),
+                                out_dtype=rows.dtype)
+
+    def reference_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] -> [M, out] in float32: the math :meth:`fp8_product` approximates, on any
+        device: the activation quantized and dequantized, times the dequantized weight."""
+        q, scale = quantize_groups(rows, self.block[1])
+        return dequantize_groups(q, scale, self.block[1]) @ self.dequantized_weight().t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self._scaled_mm_fits(x):
-            q, scale = _quantize_for_product(rows)
-            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale_inv.t(),
-                                   out_dtype=x.dtype)
-        else:
-            q, scale = quantize_groups(rows, self.block[1])
-            out = (dequantize_groups(q, scale, self.block[1]) @ self.dequantized_weight().t()).to(x.dtype)
+        out = self.fp8_product(rows) if self.fp8_product_fits(x) else self.reference_product(rows).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -138,6 +138,33 @@ def test_fp8_linear_on_cpu_is_the_block_scaled_product() -> None:
     assert 0.01 < err < 0.05
 
 
+FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or not fp8.fp8_product_available(torch.device("cuda")),
+                             reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+
+
+@FP8_GPU
+def test_the_fp8_product_on_a_gpu_is_the_reference_math() -> None:
+    """On CUDA: the compiled quantization is the eager one (scales column-major; Triton's division
+    may round a rare value differently), and ``_scaled_mm`` with both block scales computes the
+    reference product to within bf16 rounding, for a token count that is no multiple of 16."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = fp8.FP8BlockLinear.quantized(linear)
+    x = torch.randn(999, 1024, device="cuda", dtype=torch.bfloat16)
+    q, scale = fp8._quantize_for_product(x)
+    q_eager, scale_eager = fp8.quantize_groups(x)
+    assert scale.stride() == (1, 999)
+    torch.testing.assert_close(scale, scale_eager, rtol=1e-6, atol=0)
+    assert (q.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() < 1e-3
+    assert layer.fp8_product_fits(x)
+    got = layer(x)
+    want = layer.reference_product(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, layer.fp8_product(x))
+    err = float((got.float() - want).norm() / want.norm())
+    print(f"\n_scaled_mm vs the reference math: RMS relative {err:.2e}", end="")
+    assert err < 1e-2
+
+
 def test_patterns_of_modules_to_not_convert() -> None:
     """transformers' reading: from the name's start to a dot (a regex), or a dotted suffix."""
     keep = ["lm_head", "in_proj_a", "model.visual", r"model\.layers\.1\..*"]
