@@ -4,12 +4,15 @@ Qwen3: the header item, the layer-id convention, and documents of a packed row k
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 
 from dflash_core.stage import StageContext
+from dflash_model.fast.settings import DtypeName
+from dflash_model.target.load import resolve_dtype
 from dflash_stages.extract import ExtractConfig, HFHooksExtract
 from tests.stages.online_fixtures import tiny_target
 
@@ -157,3 +160,9 @@ def test_packed_flex_calls_go_through_the_compile_gate_with_eager_layers(target:
     assert not GATE.is_warm("extract-gated", 32)
     list(stage.run({"rows": rows}, ctx))
     assert GATE.is_warm("extract-gated", 32) and not GATE.is_warm("extract-gated", 33)
+
+
+def test_every_dtype_a_config_accepts_is_one_the_loader_knows():
+    """The configs' dtype choices (checked before the run) and the loader's names agree."""
+    assert {resolve_dtype(name, "cpu") for name in get_args(DtypeName)} == {
+        torch.float32, torch.bfloat16, torch.float16}
