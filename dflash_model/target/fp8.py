@@ -19,6 +19,7 @@ random targets in it. docs/fp8_target.md says what is tested where.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -129,23 +130,28 @@ def dequantize_groups(x: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) 
 def fp8_product_available(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores for ``torch._scaled_mm`` (CUDA, compute capability
     8.9 or newer: Ada, Hopper, Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device)  # constant-folded inside a compiled layer
+    return (props.major, props.minor) >= (8, 9)
 
 
-_compiled_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_groups` with the scales laid out column-major, as ``_scaled_mm``'s 1×128
+    block scaling wants them."""
+    q, scale = quantize_groups(x)
+    return q, scale.t().contiguous().t()
+
+
+@functools.cache
+def _compiled_quantize() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    return torch.compile(_quantize_columns, dynamic=True)
 
 
 def _quantize_for_product(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_groups` in one compiled kernel (fused, not eight eager ops), its scales laid
-    out column-major as ``_scaled_mm``'s 1×128 block scaling wants them."""
-    global _compiled_quantize
-    if _compiled_quantize is None:
-        def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            q, scale = quantize_groups(x)
-            return q, scale.t().contiguous().t()
-
-        _compiled_quantize = torch.compile(quantize, dynamic=True)
-    return _compiled_quantize(x)
+    """:func:`_quantize_columns` as one fused kernel rather than eight eager ops: compiled on its
+    own, or traced into the graph of a compiled decoder layer that calls it."""
+    return _quantize_columns(x) if torch.compiler.is_compiling() else _compiled_quantize()(x)
 
 
 class FP8BlockLinear(nn.Module):
