@@ -111,6 +111,25 @@ def test_cli_times_each_chunk_size_with_a_breakdown(tmp_path, monkeypatch):
     assert results[0]["drafter"]["vocab_size"] == 512
 
 
+def test_the_cli_times_the_trainers_own_step(tmp_path, monkeypatch):
+    """Every step it takes is ``Trainer.train_step``, the step the training loop takes, on one
+    trainer: what it times is a run's step, not one of its own."""
+    from dflash_stages.train.trainer import Trainer
+
+    taken, real = [], Trainer.train_step
+
+    def spy(self, rows, *args, **kw):
+        taken.append(self)
+        return real(self, rows, *args, **kw)
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    monkeypatch.setattr(sys, "argv", ["train_step.py", "--tiny", "--device", "cpu", "--layers", "1", "--tokens", "128",
+                                      "--anchors", "8", "--breakdown", "1", "--warmup", "1", "--steps", "2"])
+    assert train_step.main() == 0
+    # the first step, 1 warm-up step, 2 timed alone, 2 back to back, 1 for the breakdown
+    assert len(taken) == 7 and len({id(t) for t in taken}) == 1 and taken[0].step == 7
+
+
 def test_chunk_rows_list_parsing():
     assert train_step.int_list("4096") == [4096]
     assert train_step.int_list("2560,3840,7680") == [2560, 3840, 7680]

@@ -82,12 +82,13 @@ class MetricsLog:
         self.window, self.window_from, self.window_start = [], self.tokens, now()
 
     def record(self, step: int, lr: float) -> dict[str, Any]:
-        """The window's metrics record, as ``metrics.jsonl`` holds it."""
+        """The window's metrics record (``dflash_core.items.METRICS_RECORD``), as ``metrics.jsonl``
+        holds it."""
         rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
         means = torch.stack([torch.stack([w[k].double().cpu() for k in MEANS])
                              for w in self.window]).mean(0).tolist()  # the one host sync of the window
-        return {"step": step, **dict(zip(MEANS, means)), "lr": lr, "grad_norm": float(self.grad_norm), "tokens_per_s": rate,
-                "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
+        return {"step": step, **dict(zip(MEANS, means)), "lr": lr, "grad_norm": float(self.grad_norm),
+                "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
                 "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
 
     def _write(self, record: dict[str, Any]) -> None:

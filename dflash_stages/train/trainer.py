@@ -43,7 +43,7 @@ def _unmarked(_phase: str) -> None:
 @dataclass
 class StepStats:
     """What one :meth:`Trainer.train_step` did. The tensors stay on the device (reading them back
-    would make the host wait for the GPU every step); ``Trainer._log`` syncs once per window."""
+    would make the host wait for the GPU every step); :class:`MetricsLog` reads them once a window."""
 
     rows: int
     """Rows trained on: ``rows_per_step``, fewer only for a stream's last, partial step."""
@@ -278,7 +278,7 @@ class Trainer:
         mark("forward")
         (out.loss / cfg.rows_per_step).backward()
         mark("backward")
-        # tensors, not floats: reading them back would stall the GPU every row; _log syncs once
+        # tensors, not floats: reading them back would stall the GPU every row (MetricsLog reads a window at once)
         return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve,
                 "per_slot_acc": out.per_slot_acc}
 
