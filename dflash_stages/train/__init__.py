@@ -1,1 +1,2 @@
-"""The train stage: its config, the Trainer with its one public step, and building the drafter."""
+"""The train stage: its config, the Trainer (its state, its one public step), its metrics log and
+snapshot policy, and building the drafter."""
