@@ -77,7 +77,7 @@ def _blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     pad_n, pad_k = -n % rows, -k % cols
     if pad_n or pad_k:
         t = nn.functional.pad(t, (0, pad_k, 0, pad_n))
-    return t.view((n + pad_n) // rows, rows, (k + pad_k) // cols, cols)
+    return t.reshape((n + pad_n) // rows, rows, (k + pad_k) // cols, cols)
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
