@@ -265,15 +265,17 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def save_fp8_checkpoint(model: nn.Module, path: str | Path, block: Sequence[int] = (BLOCK, BLOCK),
-                        not_converted: Sequence[str] = NOT_CONVERTED) -> list[str]:
+                        not_converted: Sequence[str] = NOT_CONVERTED, max_shard_size: str | int = "5GB"
+                        ) -> list[str]:
     """Write ``model`` (a transformers model in a float dtype) to ``path`` in the published FP8
-    format: ``save_pretrained``, then each converted linear layer's weight replaced in the
-    safetensors files by :func:`quantize_blocks`'s fp8 weight and ``weight_scale_inv``, and the
-    ``quantization_config`` added to config.json. Returns the checkpoint names quantized."""
+    format: ``save_pretrained`` (shards of ``max_shard_size`` before quantization), then each
+    converted linear layer's weight replaced in the safetensors files by :func:`quantize_blocks`'s
+    fp8 weight and ``weight_scale_inv`` (the shard index updated), and the ``quantization_config``
+    added to config.json. Returns the checkpoint names quantized."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     wanted = {f"{n}.weight" for n in linear_layers(model) if converted(n, not_converted)}
     done: list[str] = []
     for file in _safetensors_files(path):

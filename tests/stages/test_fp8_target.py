@@ -268,6 +268,19 @@ def test_a_hybrid_checkpoint_round_trips(hybrid: tuple[Path, Path, list[str]]) -
     assert fp8_layers(model)["model.layers.0.mlp.up_proj"].weight_scale_inv.shape == (3, 2)  # 320 rows
 
 
+def test_a_sharded_checkpoint_round_trips(tmp_path: Path) -> None:
+    """Written in several shards, each scale listed in the index beside its weight: it loads back
+    as the one-file checkpoint does."""
+    model = dense_model()
+    model.save_pretrained(tmp_path / "float")
+    saved = fp8.save_fp8_checkpoint(model, tmp_path / "fp8", max_shard_size="300KB")
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2
+    assert all(index[f"{n}.weight_scale_inv"] == index[f"{n}.weight"] for n in saved)
+    unpack_qwen3_tokenizer(tmp_path / "fp8")
+    assert_loads_as_saved(tmp_path / "float", tmp_path / "fp8", saved)
+
+
 def test_scales_stored_in_bf16_load_as_float32(dense: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
     """Some published checkpoints store ``weight_scale_inv`` in bf16: read as they are, widened."""
     import shutil
