@@ -296,6 +296,22 @@ def test_scales_stored_in_bf16_load_as_float32(dense: tuple[Path, Path, list[str
         assert torch.equal(layer.weight_scale_inv, narrowed[f"{name}.weight_scale_inv"].float())
 
 
+def test_a_scaled_weight_not_in_e4m3_is_refused(dense: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
+    """A weight with a scale beside it that holds values e4m3 cannot (a float weight left in by a
+    broken writer) is an error, not a silently different model."""
+    import shutil
+
+    _, fp8_dir, saved = dense
+    shutil.copytree(fp8_dir, tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(file)
+    key = f"{saved[0]}.weight"
+    tensors[key] = tensors[key].float() + 0.01
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not stored as e4m3 values"):
+        load_target(str(tmp_path / "ckpt"), "cpu", "float32", "sdpa")
+
+
 def test_transformers_dequantizes_our_checkpoint_to_our_weights(dense: tuple[Path, Path, list[str]]) -> None:
     """transformers' own reader of the format (``FineGrainedFP8Config(dequantize=True)``, the path
     it takes without a GPU) gives each layer the very weight our layers stand for."""
