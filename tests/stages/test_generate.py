@@ -94,13 +94,18 @@ def qwen_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_target(tmp_path_factory.getbasetemp(), layers=2, hidden=32, vocab=151936)
 
 
+@pytest.mark.parametrize("samples", [1, 2])
 def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Path, qwen_tiny: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    samples: int) -> None:
+    """A run that dies in its second shard file (with two samples: the first shard's second sample)
+    resumes with the files not yet written, and writes each record once."""
     prompts = [{"prompt": f"Question number {i}: what is {i} squared?" + " Explain." * (i % 3)} for i in range(5)]
     src = write_lines(tmp_path / "p.jsonl", prompts)
-    params = dict(model=str(qwen_tiny), max_new_tokens=8, batch_size=1, shard_records=2, temperature=0.9, seed=7)
+    params = dict(model=str(qwen_tiny), max_new_tokens=8, batch_size=1, shard_records=2, temperature=0.9, seed=7,
+                  samples=samples)
     _, _, whole = run_generate(tmp_path, [src], "whole", **params)
-    assert len(whole) == 5
+    assert len(whole) == 5 * samples and len({r["id"] for r in whole}) == 5 * samples
 
     real = generate_batch.complete
     calls: list[int] = []
@@ -115,26 +120,66 @@ def test_resume_after_a_crash_regenerates_only_the_unfinished_shard(tmp_path: Pa
     with pytest.raises(RuntimeError, match="killed"):
         run_generate(tmp_path, [src], "resumed", **params)
     shard_dir = next((tmp_path / "resumed" / "cache").iterdir())
-    assert sorted(p.name for p in shard_dir.iterdir()) == ["shard-00000.jsonl"]
+    first = "shard-00000.jsonl" if samples == 1 else "shard-00000.s7.jsonl"
+    assert sorted(p.name for p in shard_dir.iterdir()) == [first]
 
     calls.clear()
     monkeypatch.setattr(generate_batch, "complete", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     events: list[dict] = []
     _, ctx, resumed = run_generate(tmp_path, [src], "resumed", events, **params)
-    assert len(calls) == 2  # shards 1 and 2 only
-    assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3
+    assert len(calls) == 3 * samples - 1  # every shard file but the first
+    assert ctx.summary["resumed_shards"] == 1 and ctx.summary["shards"] == 3 * samples
     assert resumed == whole
-    # progress: the resumed shard moves the position, each generated prompt advances it as its row
-    # finishes, and only generated tokens are counted
+    # progress: the resumed shard moves the position, each generated completion advances it as its
+    # row finishes, and only generated tokens are counted
     position = 0
     for e in (e for e in events if e["type"] == "progress"):
         position = e.get("start", position) + e["advance"]
-    assert position == 5
+    assert position == 5 * samples
     assert sum(e.get("tokens", 0) for e in events if e["type"] == "progress") == sum(r["tokens"] for r in resumed[2:])
 
     # another seed samples other completions (the seed is used), the same seed the same ones
     _, _, other = run_generate(tmp_path, [src], "other", **{**params, "seed": 8})
     assert [r["messages"][-1] for r in other] != [r["messages"][-1] for r in whole]
+
+
+def test_several_sampled_completions_per_prompt_are_records_of_their_own(tmp_path: Path, qwen_tiny: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``samples: 3`` writes three records per prompt, named ``<id>#<seed>``; sample k is what a
+    one-sample run with seed ``seed + k`` writes; samples of a prompt differ, a rerun writes the same
+    records; a later run with more samples generates only the new ones; tokenize takes them all."""
+    from tests.stages.test_tokenize import run_stage
+
+    src = write_lines(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"Tell me about the number {i}." + " Go on." * i}
+                                             for i in range(3)])
+    params = dict(model=str(qwen_tiny), max_new_tokens=6, batch_size=2, shard_records=2, temperature=0.7,
+                  top_p=0.95, seed=5)
+    items, ctx, records = run_generate(tmp_path, [src], "three", samples=3, **params)
+    assert sorted(r["id"] for r in records) == sorted(f"q{i}#{k}" for i in range(3) for k in (5, 6, 7))
+    assert all(r["id"] == f"{r['id'].split('#')[0]}#{r['sample']}" for r in records)
+    assert [Path(it["path"]).name for it in items] == [f"shard-{j:05d}.s{k}.jsonl" for j in (0, 1) for k in (5, 6, 7)]
+    assert (ctx.summary["prompts"], ctx.summary["records_out"]) == (3, 9)
+    for i in range(3):
+        texts = [r["messages"][-1]["content"] for r in records if r["id"].startswith(f"q{i}#")]
+        assert len(set(texts)) == 3
+
+    def strip(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k != "sample"} | {"id": r["id"].split("#")[0]}
+
+    _, _, alone = run_generate(tmp_path, [src], "alone", samples=1, **{**params, "seed": 6})
+    assert [r["id"] for r in alone] == ["q2", "q1", "q0"]  # a lone completion keeps its prompt's id
+    assert alone == [strip(r) for r in records if r["sample"] == 6]
+    _, _, again = run_generate(tmp_path, [src], "again", samples=3, **params)
+    assert again == records
+
+    real, calls = generate_batch.complete, []
+    monkeypatch.setattr(generate_batch, "complete", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    _, ctx, more = run_generate(tmp_path, [src], "three", samples=4, **params)
+    assert len(calls) == 2 and ctx.summary["resumed_shards"] == 6  # seed 8 of each shard only
+    assert [r for r in more if r["sample"] < 8] == records and len(more) == 12
+
+    _, tctx, _ = run_stage(tmp_path, items, tokenizer=str(qwen_tiny), min_loss_tokens=1)
+    assert tctx.summary["samples_out"] == 9 and tctx.summary["quarantined_total"] == 0
 
 
 def test_no_usable_prompt_fails_with_the_reasons(tmp_path: Path, qwen_tiny: Path) -> None:
@@ -148,6 +193,10 @@ def test_config_is_checked() -> None:
         GenerateConfig(top_p=0)
     with pytest.raises(ValueError, match=">= 1"):
         GenerateConfig(batch_size=0)
+    with pytest.raises(ValueError, match="samples > 1 needs sampling"):
+        GenerateConfig(samples=2)
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        GenerateConfig(samples=0, temperature=0.7)
 
 
 def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:

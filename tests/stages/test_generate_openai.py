@@ -53,6 +53,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
 
     model_dir = tmp_path_factory.mktemp("smollm2")
     model, tok = load_smollm2()
+    # transformers serve samples only where the model's generation config does: a request's
+    # temperature turns sampling off (0) but never on
+    model.generation_config.do_sample = True
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     port = free_port()
@@ -94,13 +97,15 @@ class FaultProxy:
     """An HTTP proxy in front of the server. ``plan[prompt]`` lists the faults of that prompt's next
     requests (``500``, ``503``, ``400``, ``401``, ``429`` with ``Retry-After: 1``, ``drop``: close
     without answering, ``cut``: half the server's answer then close, ``slow``: answer after the
-    timeout, ``hold``: answer once ``release`` is set); ``seen`` has (prompt, Authorization, time,
-    fault) of every request."""
+    timeout, ``hold``: close without answering once ``release`` is set, the server never asked:
+    its sampling would draw from the random state the requests after it use); ``seen`` has (prompt, Authorization, time,
+    fault) of every request, ``bodies`` its request body."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream)
         self.plan: dict[str, list[str]] = {}
         self.seen: list[tuple[str, str | None, float, str | None]] = []
+        self.bodies: list[dict] = []
         self.release = threading.Event()
         self.lock = threading.Lock()
         proxy = self
@@ -116,6 +121,7 @@ class FaultProxy:
                     faults = proxy.plan.get(prompt) or []
                     fault = faults.pop(0) if faults else None
                     proxy.seen.append((prompt, self.headers.get("Authorization"), time.monotonic(), fault))
+                    proxy.bodies.append(json.loads(body))
                 try:
                     proxy.answer(self, fault, body)
                 except OSError:  # the client gave up (a stalled answer)
@@ -139,6 +145,7 @@ class FaultProxy:
             time.sleep(SLOW_S + 1.5)
         if fault == "hold":
             self.release.wait(300)
+            return
         if fault in ("500", "503", "400", "401", "429"):
             status, payload = int(fault), b'{"error": {"message": "injected"}}'
         else:
@@ -236,15 +243,18 @@ def test_every_prompt_gets_one_record_through_faults_equal_to_generate_hf(
     assert "taken out" in caplog.text and "retry" in caplog.text
 
 
+@pytest.mark.parametrize("samples", [1, 2])
 def test_a_killed_run_resumes_with_the_requests_it_had_not_finished(
-        tmp_path: Path, server: tuple[str, str], proxy: FaultProxy) -> None:
+        tmp_path: Path, server: tuple[str, str], proxy: FaultProxy, samples: int) -> None:
     """A run SIGKILLed while one request is in flight (the first shard written, the second's first
-    record journaled) is resumed: only the unfinished prompts are asked again, and the records are
-    an uninterrupted run's."""
+    prompt journaled: with two samples, both of its samples) is resumed: only the unfinished requests
+    are sent again, and the records are an uninterrupted run's, each once."""
     prompts = PROMPTS[:4]
     src = write_lines(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
-    params = dict(model=server[1], endpoints=[proxy.url], concurrency=1, max_tokens=8, shard_records=2)
+    params = dict(model=server[1], endpoints=[proxy.url], concurrency=1, max_tokens=8, shard_records=2,
+                  **({} if samples == 1 else {"samples": samples, "temperature": 0.7, "top_p": 0.95}))
     _, _, whole = run_openai(tmp_path, src, "whole", **params)
+    assert len(whole) == 4 * samples and len({r["id"] for r in whole}) == 4 * samples
 
     proxy.plan = {PROMPTS[3]: ["hold"]}
     proxy.seen.clear()
@@ -262,17 +272,48 @@ def test_a_killed_run_resumes_with_the_requests_it_had_not_finished(
         child.wait()
     proxy.release.set()
     shard_dir = next((tmp_path / "resumed" / "cache").iterdir())
-    assert sorted(p.name for p in shard_dir.iterdir()) == ["shard-00000.failed.jsonl", "shard-00000.jsonl",
-                                                           "shard-00001.partial.jsonl"]
-    assert [p for p, *_ in proxy.seen] == prompts
+    names = [""] if samples == 1 else [f".s{k}" for k in range(samples)]
+    assert sorted(p.name for p in shard_dir.iterdir()) == sorted(
+        [f"shard-00000{n}.failed.jsonl" for n in names] + [f"shard-00000{n}.jsonl" for n in names]
+        + [f"shard-00001{n}.partial.jsonl" for n in names])
+    # a prompt's samples are asked in turn; the kill came with the last prompt's first
+    assert [p for p, *_ in proxy.seen] == [p for p in prompts[:3] for _ in range(samples)] + prompts[3:]
 
     proxy.seen.clear()
     _, ctx, resumed = run_openai(tmp_path, src, "resumed", **params)
-    assert [p for p, *_ in proxy.seen] == prompts[3:]
+    assert [p for p, *_ in proxy.seen] == prompts[3:] * samples
     s = ctx.summary
-    assert (s["resumed_shards"], s["resumed_records"], s["requests"], s["records_out"]) == (1, 1, 1, 4)
+    assert (s["resumed_shards"], s["resumed_records"], s["requests"], s["records_out"]) == \
+        (samples, samples, samples, 4 * samples)
     assert resumed == whole
     assert not list(shard_dir.glob("*.partial.jsonl"))
+
+
+def test_several_sampled_completions_per_prompt_are_records_of_their_own(
+        tmp_path: Path, server: tuple[str, str], proxy: FaultProxy) -> None:
+    """``samples: 2`` asks each prompt twice, with seeds ``seed + k + n`` and the sampling params,
+    and writes two records named ``<id>#<seed + k>``; sample k is what a one-sample run with seed
+    ``seed + k`` writes; a rerun writes the same records, and the two samples of a prompt differ."""
+    prompts = ["Write a line about the sea.", "Invent a name for a cat.", "Describe a cloud."]
+    src = write_lines(tmp_path / "prompts.jsonl", [{"id": f"q{n}", "prompt": p} for n, p in enumerate(prompts)])
+    params = dict(model=server[1], endpoints=[proxy.url], concurrency=1, max_tokens=12, shard_records=2,
+                  temperature=0.7, top_p=0.95, seed=3)
+    items, ctx, records = run_openai(tmp_path, src, "two", samples=2, **params)
+    assert [r["id"] for r in records] == ["q0#3", "q1#3", "q0#4", "q1#4", "q2#3", "q2#4"]
+    assert [Path(it["path"]).name for it in items] == ["shard-00000.s3.jsonl", "shard-00000.s4.jsonl",
+                                                       "shard-00001.s3.jsonl", "shard-00001.s4.jsonl"]
+    assert [(b["messages"][-1]["content"], b["seed"], b["temperature"], b["top_p"]) for b in proxy.bodies] == [
+        (prompts[n], 3 + k + n, 0.7, 0.95) for n in range(3) for k in range(2)]
+    for n in range(3):
+        assert len({r["messages"][-1]["content"] for r in records if r["id"].startswith(f"q{n}#")}) == 2
+
+    def strip(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k != "sample"} | {"id": r["id"].split("#")[0]}
+
+    _, _, alone = run_openai(tmp_path, src, "alone", **{**params, "seed": 4})
+    assert alone == [strip(r) for r in records if r["sample"] == 4]
+    _, _, again = run_openai(tmp_path, src, "again", samples=2, **params)
+    assert again == records
 
 
 def test_an_answer_slower_than_the_timeout_is_abandoned_and_asked_again(
@@ -321,4 +362,6 @@ def test_config_is_checked() -> None:
         OpenAIGenerateConfig(model="m", endpoints=["127.0.0.1:8000"])
     with pytest.raises(ValueError, match="top_p"):
         OpenAIGenerateConfig(model="m", top_p=0)
+    with pytest.raises(ValueError, match="samples > 1 needs sampling"):
+        OpenAIGenerateConfig(model="m", samples=3)
     assert OpenAIGenerateConfig(model="m", endpoints="http://h:1/v1").endpoints == ["http://h:1/v1"]
