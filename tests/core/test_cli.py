@@ -199,8 +199,8 @@ def no_gpu(monkeypatch):
 
 def test_the_gpu_pipelines_are_found():
     names = {p.relative_to(REPO).as_posix() for p in GPU_PIPELINES}
-    assert {"pipelines/two_gpu.yaml", "pipelines/qwen3_6_27b.yaml",
-            "pipelines/layouts_h200x4/pairs.yaml"} <= names
+    assert {"pipelines/two_gpu.yaml", "pipelines/qwen3_6_27b.yaml", "pipelines/quality_gpu.yaml",
+            "pipelines/quality_long.yaml", "pipelines/layouts_h200x4/pairs.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", GPU_PIPELINES, ids=lambda p: p.relative_to(REPO).as_posix())
