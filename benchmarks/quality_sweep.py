@@ -8,20 +8,29 @@ generated records, side by side on one GPU, and print served τ for each.
         half-16ep:records=0.5,stages.pack.params.epochs=16
 
 Each point is ``NAME:KEY=VALUE,KEY=VALUE``. Keys are dotted paths into the pipeline file (as
-``--set`` takes them), plus ``records=F``: train on the first fraction F of the records (data size).
+``--set`` takes them), plus three that choose the point's records (data size):
+
+* ``records=F``: the first fraction F of the records;
+* ``prompts=GLOB``: only the records of prompt files whose name matches GLOB (e.g. ``*train.jsonl``:
+  train.jsonl without train_later.jsonl);
+* ``samples=K``: at most K completions per prompt, those of the lowest sample seeds (generate's
+  ``samples``; a lone completion counts as one).
+
 Every point runs the pipeline file (default pipelines/quality_gpu.yaml) without its generate stage:
 download reads the records that generate already wrote (``--records``, a glob of its shards), so
 the points differ only in what they set, and no point waits for the target to generate again.
 
 Points run as separate processes, ``--parallel`` at a time: timings of overlapping points are not
 the pipeline's speed (that is the pipeline's own run), only τ is compared here. Prints one row per
-point (steps, tokens, final loss / accuracy / τ_sim of the training log, served τ and n-gram τ of
-the evaluate report), and writes ``sweep.json`` beside the points' run folders.
+point (records, supervised tokens, steps, tokens, final loss / accuracy / τ_sim of the training
+log, served τ and n-gram τ of the evaluate report), and writes ``sweep.json`` beside the points' run
+folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import json
 import subprocess
@@ -43,20 +52,26 @@ def parse_point(text: str) -> tuple[str, dict[str, str]]:
     return name, sets
 
 
-def write_records(paths: list[str], fraction: float, out: Path) -> int:
-    """The first ``fraction`` of the records in prompt-file order (``source``, ``line``): shards are
-    cut from the length-sorted prompts, so their own order would keep the longest ones."""
+def write_records(paths: list[str], fraction: float, out: Path, prompts: str | None = None,
+                  samples: int | None = None) -> int:
+    """The first ``fraction`` of the records in prompt-file order (``source``, ``line``; a prompt's
+    samples by seed): shards are cut from the length-sorted prompts, so their own order would keep
+    the longest ones. Only prompt files matching ``prompts``, and at most ``samples`` per prompt."""
     # split at "\n" only: splitlines also cuts at U+2028 and the like, which a completion's text may hold
     lines = [ln for p in paths for ln in Path(p).read_text(encoding="utf-8").split("\n") if ln.strip()]
-    lines.sort(key=_file_order)
-    keep = lines[:max(1, round(len(lines) * fraction))]
+    keyed = sorted((_file_order(ln), ln) for ln in lines)
+    if prompts is not None:
+        keyed = [(k, ln) for k, ln in keyed if fnmatch.fnmatch(k[0], prompts)]
+    if samples is not None:
+        keyed = [(k, ln) for i, (k, ln) in enumerate(keyed) if i < samples or keyed[i - samples][0][:2] != k[:2]]
+    keep = [ln for _, ln in keyed[:max(1, round(len(keyed) * fraction))]]
     out.write_text("\n".join(keep) + "\n", encoding="utf-8")
     return len(keep)
 
 
-def _file_order(line: str) -> tuple[str, int]:
+def _file_order(line: str) -> tuple[str, int, int]:
     record = json.loads(line)
-    return str(record["source"]), int(record["line"])
+    return str(record["source"]), int(record["line"]), int(record.get("sample", 0))
 
 
 def sweep_inputs(records: str, pipeline: str, out: str) -> tuple[list[str], Path, dict[str, Any], Path]:
@@ -97,6 +112,11 @@ def launch(name: str, pipeline: Path, sets: dict[str, str], log: Path) -> subpro
 
 def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: float) -> dict[str, Any]:
     row: dict[str, Any] = {"point": name, "sets": sets, "rc": rc, "wall_s": round(wall, 1)}
+    manifests = sorted(glob.glob(str(run_dir / "artifacts" / "tokenize" / "*" / "_manifest.json")),
+                       key=lambda m: Path(m).stat().st_mtime)
+    if manifests:  # the tokenize stage that ran last: what the point trained on
+        summary = json.loads(Path(manifests[-1]).read_text()).get("summary", {})
+        row.update(documents=summary.get("samples_out"), supervised=summary.get("loss_tokens"))
     metrics = run_dir / "metrics.jsonl"
     log = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     log = [r for r in log if "step" in r and "loss" in r]
@@ -119,6 +139,7 @@ def main() -> int:
     ap.add_argument("--pipeline", default=str(REPO / "pipelines" / "quality_gpu.yaml"))
     ap.add_argument("--out", required=True, help="folder for the points' pipelines, runs and logs")
     ap.add_argument("--parallel", type=int, default=1, help="points running at once")
+    ap.add_argument("--plot", help="PNG to write: served τ and n-gram τ against supervised tokens")
     args = ap.parse_args()
 
     shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
@@ -126,15 +147,16 @@ def main() -> int:
     jobs = []
     for text in args.points:
         name, sets = parse_point(text)
-        fraction = float(sets.pop("records", "1"))
+        chosen = {k: sets.pop(k) for k in ("records", "prompts", "samples") if k in sets}
         folder = out / name
         folder.mkdir(exist_ok=True)
         records = folder / "records.jsonl"
-        count = write_records(shards, fraction, records)
+        count = write_records(shards, float(chosen.get("records", 1)), records, chosen.get("prompts"),
+                              int(chosen["samples"]) if "samples" in chosen else None)
         pipeline = folder / "pipeline.yaml"
         pipeline.write_text(yaml.safe_dump(point_pipeline(base, base_path.parent, records, folder / "run"),
                                            sort_keys=False))
-        jobs.append((name, {**sets, "records": str(count)} if fraction != 1 else sets, pipeline, sets, folder))
+        jobs.append((name, {**sets, **chosen, "records": str(count)} if chosen else sets, pipeline, sets, folder))
 
     rows, running = [], []
     pending = list(jobs)
@@ -149,17 +171,55 @@ def main() -> int:
             rows.append(summarize(name, shown, folder / "run", proc.returncode, time.time() - started))
             print(f"[{time.strftime('%H:%M:%S')}] done {name}: {json.dumps(rows[-1])}", flush=True)
     (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    print("\n" + table(rows))
+    if args.plot:
+        plot(rows, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
 
-    print(f"\n{'point':<16} {'rc':>3} {'steps':>6} {'tokens':>8} {'loss':>6} {'acc':>5} "
-          f"{'τ_sim tr':>8} {'τ_sim':>6} {'τ_serve':>7} {'τ':>6} {'n-gram':>6} {'wall s':>7}")
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """One line per point; supervised tokens also as a multiple of the first point's (the data scale)."""
+    base = next((r["supervised"] for r in rows if r.get("supervised")), None)
+    lines = [f"{'point':<16} {'rc':>3} {'docs':>7} {'supervised':>10} {'×':>5} {'steps':>6} {'tokens':>8} "
+             f"{'loss':>6} {'acc':>5} {'τ_sim tr':>8} {'τ_sim':>6} {'τ_serve':>7} {'τ':>6} {'n-gram':>6} "
+             f"{'wall s':>7}"]
     for r in rows:
         def f(key: str, fmt: str) -> str:
             return format(r[key], fmt) if r.get(key) is not None else "-"
-        print(f"{r['point']:<16} {r['rc']:>3} {f('steps', 'd'):>6} {f('tokens', '.2e'):>8} {f('loss', '.3f'):>6} "
-              f"{f('acc', '.3f'):>5} {f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau_serve_all', '.2f'):>7} "
-              f"{f('tau', '.2f'):>6} "
-              f"{f('tau_ngram', '.2f'):>6} {r['wall_s']:>7}")
-    return 0 if all(r["rc"] == 0 for r in rows) else 1
+        scale = format(r["supervised"] / base, ".2f") if base and r.get("supervised") else "-"
+        lines.append(f"{r['point']:<16} {r['rc']:>3} {f('documents', 'd'):>7} {f('supervised', ',d'):>10} {scale:>5} "
+                     f"{f('steps', 'd'):>6} {f('tokens', '.2e'):>8} {f('loss', '.3f'):>6} {f('acc', '.3f'):>5} "
+                     f"{f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau_serve_all', '.2f'):>7} "
+                     f"{f('tau', '.2f'):>6} {f('tau_ngram', '.2f'):>6} {r['wall_s']:>7}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Served τ and n-gram τ of each point that has both a report and a token count, against its
+    supervised tokens (log scale: the points are multiples of each other), each point named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = sorted((r for r in rows if r.get("tau") is not None and r.get("supervised")),
+                  key=lambda r: r["supervised"])
+    x = [r["supervised"] / 1e6 for r in done]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(x, [r["tau"] for r in done], "o-", color="C1", label="DFlash τ served (held-out prompts)")
+    ax.plot(x, [r.get("tau_ngram") or float("nan") for r in done], "s--", color="C2", label="n-gram τ (same prompts)")
+    for xi, r in zip(x, done):
+        ax.annotate(r["point"], (xi, r["tau"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("supervised tokens (millions)")
+    ax.set_ylabel("τ (accepted drafts + 1 per cycle)")
+    ax.set_title("served τ against training data")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
