@@ -24,7 +24,8 @@ Points run as separate processes, ``--parallel`` at a time: timings of overlappi
 the pipeline's speed (that is the pipeline's own run), only τ is compared here. Prints one row per
 point (records, supervised tokens, steps, tokens, final loss / accuracy / τ_sim of the training
 log, served τ and n-gram τ of the evaluate report), and writes ``sweep.json`` beside the points' run
-folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens.
+folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens. The same
+command with ``--resume``, after it was stopped, runs each point with ``dflash-pipe run --resume``.
 """
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def point_pipeline(base: dict[str, Any], base_dir: Path, records: Path, run_dir:
     return doc
 
 
-def launch(name: str, pipeline: Path, sets: dict[str, str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dflash_core.cli.main", "run", str(pipeline)]
+def launch(name: str, pipeline: Path, sets: dict[str, str], log: Path, resume: bool = False) -> subprocess.Popen:
+    """The point's ``dflash-pipe run``; ``resume``: ``--resume`` (a point not started starts, an
+    interrupted one goes on from its latest checkpoint, a finished one runs nothing) and the log
+    appended to."""
+    cmd = [sys.executable, "-m", "dflash_core.cli.main", "run", str(pipeline)] + (["--resume"] if resume else [])
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     print(f"[{time.strftime('%H:%M:%S')}] start {name}: {' '.join(cmd[3:])}", flush=True)
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+    return subprocess.Popen(cmd, stdout=log.open("a" if resume else "w"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: float) -> dict[str, Any]:
@@ -140,6 +144,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="folder for the points' pipelines, runs and logs")
     ap.add_argument("--parallel", type=int, default=1, help="points running at once")
     ap.add_argument("--plot", help="PNG to write: served τ and n-gram τ against supervised tokens")
+    ap.add_argument("--resume", action="store_true",
+                    help="the same command again after it was stopped: each point's run goes on where it stopped")
     args = ap.parse_args()
 
     shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
@@ -163,7 +169,8 @@ def main() -> int:
     while pending or running:
         while pending and len(running) < args.parallel:
             name, shown, pipeline, sets, folder = pending.pop(0)
-            running.append((name, shown, folder, time.time(), launch(name, pipeline, sets, folder / "log.txt")))
+            running.append((name, shown, folder, time.time(),
+                            launch(name, pipeline, sets, folder / "log.txt", args.resume)))
         time.sleep(2)
         for job in [j for j in running if j[4].poll() is not None]:
             running.remove(job)

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from benchmarks.quality_sweep import write_records
 
 
@@ -83,3 +85,17 @@ def test_the_data_curve_table_and_png_from_made_up_runs(tmp_path: Path) -> None:
     png = tmp_path / "curve.png"
     plot(rows, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_sweep_resumes_each_point_and_keeps_its_log(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.quality_sweep as sweep
+
+    started: list[tuple[list[str], str]] = []
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda cmd, stdout, **kw: started.append((cmd, stdout.mode)))
+    log = tmp_path / "log.txt"
+    sweep.launch("x1", tmp_path / "pipeline.yaml", {"stages.pack.params.epochs": "3"}, log)
+    sweep.launch("x1", tmp_path / "pipeline.yaml", {"stages.pack.params.epochs": "3"}, log, resume=True)
+    assert [(cmd[3:], mode) for cmd, mode in started] == [
+        (["run", str(tmp_path / "pipeline.yaml"), "--set", "stages.pack.params.epochs=3"], "w"),
+        (["run", str(tmp_path / "pipeline.yaml"), "--resume", "--set", "stages.pack.params.epochs=3"], "a")]
