@@ -21,7 +21,10 @@ CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
 MAX_SAMPLE_TOKENS = "max_sample_tokens"
 """tokenize → downstream: no sample it yields is longer (pack's rows must hold one)."""
 SNAPSHOT_EVERY = "snapshot_every"
-"""checkpoint → its producer: save every N optimizer steps (0: only at the end)."""
+"""checkpoint → its producer: save every N optimizer steps exactly (0: only at the end)."""
+SNAPSHOT_ABOUT_EVERY = "snapshot_about_every"
+"""checkpoint → its producer: save about every N optimizer steps, each snapshot moved up to the
+nearest step where the producer can take one (the user set no cadence)."""
 
 
 def tokenizer_metadata(facts: Mapping[str, Any]) -> dict[str, Any]:
@@ -31,8 +34,10 @@ def tokenizer_metadata(facts: Mapping[str, Any]) -> dict[str, Any]:
             CHAT_TEMPLATE_KWARGS: dict(facts.get(CHAT_TEMPLATE_KWARGS) or {})}
 
 
-def snapshot_cadence(consumer_facts: Mapping[str, Mapping[str, Any]]) -> int:
-    """The steps between snapshots a producer owes its consumers: the shortest cadence any of
-    them asks for (0: none asks)."""
-    cadences = [int(f[SNAPSHOT_EVERY]) for f in consumer_facts.values() if f.get(SNAPSHOT_EVERY)]
-    return min(cadences) if cadences else 0
+def snapshot_cadence(consumer_facts: Mapping[str, Mapping[str, Any]]) -> tuple[int, bool]:
+    """The steps between snapshots a producer owes its consumers, and whether it must keep to them
+    exactly: the shortest cadence any of them asks for, an exact one before an approximate one of
+    the same length ((0, True): none asks)."""
+    asks = [(int(f[key]), key == SNAPSHOT_EVERY) for f in consumer_facts.values()
+            for key in (SNAPSHOT_EVERY, SNAPSHOT_ABOUT_EVERY) if f.get(key)]
+    return min(asks, key=lambda ask: (ask[0], not ask[1])) if asks else (0, True)

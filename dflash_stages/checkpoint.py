@@ -20,16 +20,21 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
 from dflash_core.artifacts import join, write_json
-from dflash_core.facts import SNAPSHOT_EVERY
+from dflash_core.facts import SNAPSHOT_ABOUT_EVERY, SNAPSHOT_EVERY
 from dflash_core.items import CHECKPOINT, TRAIN_STATE, of_kind
 from dflash_core.paths import PATH_FIELD
 from dflash_core.resume import CHECKPOINTS, LATEST, PIPELINE_STATE
 from dflash_core.retry import call_with_retries
 
+ABOUT_EVERY = 1000
+"""Steps between checkpoints when the pipeline file sets none."""
+
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = field(default=1000, metadata={"help": "save every N optimizer steps (and at the end)"})
+    every_steps: int | None = field(default=None, metadata={
+        "help": "save every N optimizer steps (and at the end); 0 = only at the end; unset = about every "
+                f"{ABOUT_EVERY}, moved up to the nearest step a fan-in's producers can all be saved at"})
     keep_last: int = field(default=3, metadata={
         "help": "complete checkpoints kept in the run dir and at dest"})
     dest: str | None = field(default=None, metadata={**PATH_FIELD,
@@ -52,7 +57,10 @@ class FsspecCheckpoint(Stage):
 
     @classmethod
     def facts_for_producers(cls, config: CheckpointConfig) -> Mapping[str, Any]:
-        """The cadence is this stage's setting: the trainer snapshots at it."""
+        """The cadence is this stage's setting: the trainer snapshots at it, exactly when the user
+        set it, else where it can near the default."""
+        if config.every_steps is None:
+            return {SNAPSHOT_ABOUT_EVERY: ABOUT_EVERY}
         return {SNAPSHOT_EVERY: config.every_steps}
 
     @classmethod

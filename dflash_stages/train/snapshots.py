@@ -9,7 +9,12 @@ cadence must fall on such steps and an interrupt waits for the next one.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from dflash_core.facts import snapshot_cadence
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,18 @@ class SnapshotPolicy:
                 f"{self.fan_in} producer ranks feed each drafter replica: checkpoints must fall where "
                 f"each has sent as many rows, so every_steps x rows_per_step ({self.every} x "
                 f"{self.rows_per_step}) must be a multiple of {self.fan_in}")
+
+    @classmethod
+    def for_trainer(cls, checkpoint_every: int, consumer_facts: Mapping[str, Mapping[str, Any]],
+                    fan_in: int, rows_per_step: int) -> SnapshotPolicy:
+        """The trainer's policy: its own ``checkpoint_every``, else the cadence its consumers ask
+        for. A cadence the user set is kept exactly (one a fan-in cannot save at raises); the
+        default one moves up to the nearest step where every producer has sent as many rows."""
+        every, exact = (checkpoint_every, True) if checkpoint_every else snapshot_cadence(consumer_facts)
+        if not exact:
+            unit = fan_in // math.gcd(fan_in, rows_per_step)
+            every = -(-every // unit) * unit
+        return cls(every, fan_in, rows_per_step)
 
     def due(self, step: int) -> bool:
         """A snapshot after this step, by the cadence?"""

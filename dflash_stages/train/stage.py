@@ -39,10 +39,11 @@ class DFlashTrain(Stage):
         trainer would refuse the cadence at its first step; say so before anything starts."""
         cfg: TrainConfig = pipeline.stages[name].config
         consumers = pipeline.consumer_facts(name)
-        every = cfg.checkpoint_every or snapshot_cadence(consumers)
         try:
-            SnapshotPolicy(every, pipeline.fan_in(name).get("features", 1), cfg.rows_per_step)
+            SnapshotPolicy.for_trainer(cfg.checkpoint_every, consumers, pipeline.fan_in(name).get("features", 1),
+                                       cfg.rows_per_step)
         except ValueError as exc:
+            every = cfg.checkpoint_every or snapshot_cadence(consumers)[0]
             askers = [repr(c) for c, f in consumers.items() if f.get(SNAPSHOT_EVERY)]
             owner = "its checkpoint_every" if cfg.checkpoint_every else f"the cadence {', '.join(askers)} asks for"
             return [Problem(name, f"'{name}' snapshots every {every} steps ({owner}), but {exc}", ("ranks",))]

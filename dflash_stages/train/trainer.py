@@ -18,7 +18,7 @@ import torch
 from dflash_core import StageContext
 from dflash_core.artifacts import read_json
 from dflash_core.devices import use_device
-from dflash_core.facts import snapshot_cadence, tokenizer_metadata
+from dflash_core.facts import tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchors
@@ -166,17 +166,18 @@ class Trainer:
             return bool(self.interrupt_votes.item() > 0)
         return self.ctx.interrupted()
 
-    def snapshot_every(self) -> int:
-        """Steps between snapshots: ``checkpoint_every``, else the cadence the consumers (the
-        checkpoint stage) publish to this stage."""
-        return self.cfg.checkpoint_every or snapshot_cadence(self.ctx.consumer_facts)
+    def snapshot_policy(self) -> SnapshotPolicy:
+        """When to snapshot: ``checkpoint_every``, else the cadence the consumers (the checkpoint
+        stage) publish to this stage."""
+        return SnapshotPolicy.for_trainer(self.cfg.checkpoint_every, self.ctx.consumer_facts,
+                                          self.fan_in(), self.cfg.rows_per_step)
 
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """Train on the stream of feature rows, ``rows_per_step`` rows a step, until it ends, the
         step limit or an interrupt; logs, and yields the snapshots to checkpoint (the last one
         always)."""
         cfg, ctx = self.cfg, self.ctx
-        policy = SnapshotPolicy(self.snapshot_every(), self.fan_in(), cfg.rows_per_step)
+        policy = self.snapshot_policy()
         interrupted = False
         self.metrics.start()
         if self.step:  # resumed: the display counts on from the checkpoint's step

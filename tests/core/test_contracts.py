@@ -14,11 +14,12 @@ from typing import Any, Iterable, Iterator, Mapping
 import pytest
 
 from dflash_core import Stage, StageContext, hookimpl
-from dflash_core.facts import SNAPSHOT_EVERY, TOKENIZER
+from dflash_core.facts import SNAPSHOT_ABOUT_EVERY, SNAPSHOT_EVERY, TOKENIZER
 from dflash_core.items import TRAIN_STATE, ItemError, misfit
 from dflash_core.pipeline_file import load_pipeline
 from dflash_core.plugins import PluginManager
 from dflash_core.rows import FEATURE_ROW, PACKED_ROW
+from dflash_stages.train.snapshots import SnapshotPolicy
 from tests.conftest import REPO, STAGES, cli_env
 
 EXAMPLE = REPO / "plugins" / "dflash-pipe-example"
@@ -111,6 +112,24 @@ def test_a_cadence_that_splits_a_fan_in_is_refused_before_anything_runs(cli, wri
     # the trainer's own cadence is named as such
     res = cli("validate", path, "--set", "stages.train.params.checkpoint_every=5")
     assert "'train' snapshots every 5 steps (its checkpoint_every)" in res.text
+    # no cadence in the file: the default one moves to steps the fan-in can be saved at
+    assert cli("validate", write_pipeline(FAN_IN.replace("params: {every_steps: 3}, ", ""))).code == 0
+
+
+@pytest.mark.parametrize("fan_in, rows_per_step, every", [(1, 1, 1000), (2, 1, 1000), (3, 1, 1002),
+                                                         (3, 2, 1002), (4, 2, 1000), (6, 4, 1002)])
+def test_the_default_cadence_moves_up_to_the_nearest_step_a_fan_in_can_save_at(fan_in, rows_per_step,
+                                                                                every) -> None:
+    about = {"checkpoint": {SNAPSHOT_ABOUT_EVERY: 1000}}
+    policy = SnapshotPolicy.for_trainer(0, about, fan_in, rows_per_step)
+    assert policy.every == every and policy.boundary(every)
+    assert SnapshotPolicy.for_trainer(7 * fan_in, about, fan_in, 1).every == 7 * fan_in  # its own: exact
+    exact = {"checkpoint": {SNAPSHOT_EVERY: 1000}, "other": {SNAPSHOT_ABOUT_EVERY: 1000}}
+    if (1000 * rows_per_step) % fan_in:
+        with pytest.raises(ValueError, match="must be a multiple of"):
+            SnapshotPolicy.for_trainer(0, exact, fan_in, rows_per_step)
+    else:
+        assert SnapshotPolicy.for_trainer(0, exact, fan_in, rows_per_step).every == 1000
 
 
 # ------------------------------------------------------------------------------ wiring
