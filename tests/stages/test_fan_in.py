@@ -17,7 +17,8 @@ import torch
 
 from dflash_core.remote import decode, encode, route, slots
 from tests.stages.online_fixtures import TINY_TRAIN
-from tests.stages.test_online_train import BIN, PLUGIN, finish, latest, launch, load_state, run_in_process, write
+from tests.stages.test_online_train import (BIN, PLUGIN, finish, latest, launch, load_state, one_thread,  # noqa: F401
+                                           run_in_process, write)
 
 PACK = {"rows": 8, "tokens_per_row": 64}
 
@@ -34,7 +35,10 @@ def _yaml(run_dir: Path, target: Path, fan_in: bool, rows: int = 8) -> str:
             f"{place('[2]')}}}\n")
 
 
-def test_two_extract_ranks_feed_one_drafter_like_one_process(tmp_path: Path, target: Path) -> None:
+def test_two_extract_ranks_feed_one_drafter_like_one_process(tmp_path: Path, target: Path, one_thread) -> None:
+    """The drafter fed by two extract ranks ends with the weights of one process running every
+    stage (that process on one torch thread, as torchrun's workers are, so both do the same
+    floating-point work)."""
     fan_dir, single_dir = tmp_path / "fan", tmp_path / "single"
     log = tmp_path / "torchrun.log"
     proc = launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "3",
@@ -83,7 +87,7 @@ def test_wire_encoding_round_trip(cuda_ok):
     assert got["n"] == 3 and got["kind"] == "target"
 
 
-def test_fan_in_killed_mid_run_resumes_to_the_same_drafter(tmp_path: Path, target: Path) -> None:
+def test_fan_in_killed_mid_run_resumes_to_the_same_drafter(tmp_path: Path, target: Path, one_thread) -> None:
     """SIGKILL the whole 3-rank fan-in job after its step-4 checkpoint, then ``torchrun ... run
     --resume``: it continues from that checkpoint (every producer rank restarts at the row
     position the checkpoint recorded) and ends with the weights of one uninterrupted process."""
