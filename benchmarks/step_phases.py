@@ -6,7 +6,7 @@ inside the drafter from outside it: module hooks at its forward and its fc, wrap
 compiled units every draft layer runs (attention half, MLP half) and, for the backward, tensor hooks
 that fire when the gradient reaches the tensors between those units. The time between two marks
 belongs to the phase the later mark names, so the phases add up to the step. The hooks only read
-the clock: the step computes the same values with them (tests/test_benchmark_train_step.py).
+the clock: the step computes the same values with them (tests/benchmarks/test_benchmark_train_step.py).
 Hooks go on tensors only after the compiled unit that reads them has run, so that no compiled
 graph ever sees a hooked input (and none recompiles for it).
 """

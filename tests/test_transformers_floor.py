@@ -19,13 +19,13 @@ import pytest
 from tests.conftest import REPO
 
 LOWEST = REPO / ".venv-tf457"
-FILES = ["tests/stages/test_decode_kv.py", "tests/stages/test_generate.py", "tests/stages/test_spec_batch.py",
+FILES = ["tests/target/test_decode_kv.py", "tests/stages/test_generate.py", "tests/target/test_spec_batch.py",
          "tests/stages/test_evaluate.py", "tests/stages/test_evaluate_hybrid.py",
          "tests/stages/test_evaluate_pitfalls.py", "tests/stages/test_ngram_split.py", "tests/stages/test_extract.py",
-         "tests/stages/test_hybrid_extract.py", "tests/stages/test_packed_attention.py",
-         "tests/stages/test_qwen3_6_target.py", "tests/stages/test_tokenize.py", "tests/stages/test_tokenize_fast.py",
-         "tests/stages/test_tokenize_qwen3_6.py", "tests/stages/test_transformers_versions.py",
-         "tests/test_smollm2_target.py", "tests/stages/test_online_train.py::test_short_run_learns_and_exports"]
+         "tests/stages/test_hybrid_extract.py", "tests/target/test_packed_attention.py",
+         "tests/target/test_qwen3_6_target.py", "tests/stages/test_tokenize.py", "tests/stages/test_tokenize_fast.py",
+         "tests/stages/test_tokenize_qwen3_6.py", "tests/target/test_transformers_versions.py",
+         "tests/target/test_smollm2_target.py", "tests/stages/test_online_train.py::test_short_run_learns_and_exports"]
 
 
 def declared_floor() -> str:

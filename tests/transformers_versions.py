@@ -1,6 +1,6 @@
 """The mark for tests of hybrid (linear-attention) targets: those need a newer transformers than the
 rest of dflash-pipe (``compat.HYBRID``), so under an older one they skip, and
-``tests/stages/test_transformers_versions.py`` checks the error such a target gets there instead."""
+``tests/target/test_transformers_versions.py`` checks the error such a target gets there instead."""
 
 from __future__ import annotations
 

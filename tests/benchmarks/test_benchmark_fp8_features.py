@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fp8_features  # noqa: E402  (a script directory, not a package)
 
 from dflash_model.target.load import load_target  # noqa: E402

@@ -22,7 +22,7 @@ from dflash_model.target.smollm2 import (
     smollm2_gguf_path,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "default"
+DATA = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "default"
 N_CHECK = 16
 
 needs_smollm2 = pytest.mark.skipif(

@@ -17,7 +17,7 @@ from dflash_core.rows import feature_row, producer_fields
 from dflash_stages.pack.packing import BestFitPacker, SampleIndex
 from tests.stages.online_fixtures import tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def samples(rng: np.random.Generator) -> list[dict[str, list[int]]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from gpu_clocks import ClockLog, describe, summarize  # noqa: E402  (a script directory, not a package)
 
 IDLE = "345, 83.43, 700.00, 0x0000000000000001"  # GPU idle

@@ -16,7 +16,7 @@ from dflash_model.target.spec_cache import linear_state_layers
 from dflash_model.target.spec_decode import new_cache
 from tests.transformers_versions import needs_hybrid
 
-REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"
+REAL_CONFIG = Path(__file__).parents[1] / "stages" / "data" / "qwen3_6_27b_config.json"
 TINY_HYBRID = {"model_type": "qwen3_5_text", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
                "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2,

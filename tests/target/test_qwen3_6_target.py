@@ -20,7 +20,7 @@ from tests.conftest import REPO
 from tests.transformers_versions import needs_hybrid
 
 pytestmark = needs_hybrid
-REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_6_27b_config.json"
+REAL_CONFIG = Path(__file__).parents[1] / "stages" / "data" / "qwen3_6_27b_config.json"
 
 
 def tiny_composite_config(vision_depth: int = 6) -> dict:

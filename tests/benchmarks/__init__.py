@@ -1,0 +1,1 @@
+"""CPU tests of the benchmarks' own logic (their figures come from runs, not tests)."""

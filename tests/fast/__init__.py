@@ -1,0 +1,1 @@
+"""Tests of dflash_model.fast: kernels, optimizer, compiled paths."""

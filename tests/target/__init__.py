@@ -1,0 +1,1 @@
+"""Tests of dflash_model.target: loading targets, their features, decoding."""
