@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 
 from dflash_core.items import ItemType, PortType
-
 from dflash_core.vocabulary import Executor, Link
 
 if TYPE_CHECKING:
     from dflash_core.pipeline import Pipeline, Problem
-
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 

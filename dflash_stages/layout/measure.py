@@ -129,7 +129,7 @@ class _Clock:
         self.free()
         # what others hold on the device is not ours; what we keep across a free (the feature row
         # the drafter trains on) counts in the later peak, as it would on a drafter's GPU
-        self.base = torch.cuda.memory_allocated(dev) if self.cuda else 0
+        self.base = torch.cuda.memory_allocated(self.dev) if self.cuda else 0
 
     def free(self) -> None:
         """Collect what the caller dropped, and count the peak from here."""
