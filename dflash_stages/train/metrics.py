@@ -17,6 +17,12 @@ import torch
 from dflash_core import StageContext
 from dflash_stages.train.config import append_metrics, metrics_path, now, truncate_metrics
 
+try:  # here, not when a run opens the log: the runner preloads this module in the main thread, and
+    # a first import from the stage's thread, while another stage thread imports, can fail half-way
+    from torch.utils.tensorboard import SummaryWriter
+except ModuleNotFoundError:  # tensorboard not installed: JSONL metrics only
+    SummaryWriter = None
+
 if TYPE_CHECKING:
     from dflash_stages.train.trainer import StepStats
 
@@ -48,11 +54,7 @@ class MetricsLog:
             truncate_metrics(self.path, step)
         elif "://" not in self.path and os.path.exists(self.path):
             os.remove(self.path)
-        if "://" in self.ctx.run_dir:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard not installed: JSONL metrics only
+        if "://" in self.ctx.run_dir or SummaryWriter is None:
             return
         self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"),
                                 purge_step=step + 1 if resumed else None)
