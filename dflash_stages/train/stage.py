@@ -43,10 +43,14 @@ class DFlashTrain(Stage):
             SnapshotPolicy.for_trainer(cfg.checkpoint_every, consumers, pipeline.fan_in(name).get("features", 1),
                                        cfg.rows_per_step)
         except ValueError as exc:
-            every = cfg.checkpoint_every or snapshot_cadence(consumers)[0]
-            askers = [repr(c) for c, f in consumers.items() if f.get(SNAPSHOT_EVERY)]
-            owner = "its checkpoint_every" if cfg.checkpoint_every else f"the cadence {', '.join(askers)} asks for"
-            return [Problem(name, f"'{name}' snapshots every {every} steps ({owner}), but {exc}", ("ranks",))]
+            if cfg.checkpoint_every:  # reported where the cadence is set, the line to change
+                every, owner, at = cfg.checkpoint_every, "its checkpoint_every", (name, "checkpoint_every")
+            else:
+                every = snapshot_cadence(consumers)[0]
+                asker = next(c for c, f in consumers.items() if f.get(SNAPSHOT_EVERY) == every)
+                owner, at = f"the cadence {asker!r} asks for", (asker, "every_steps")
+            return [Problem(at[0], f"'{name}' snapshots every {every} steps ({owner}), but {exc}",
+                            ("params", at[1]))]
         return ()
 
     @classmethod

@@ -104,7 +104,7 @@ def test_a_cadence_that_splits_a_fan_in_is_refused_before_anything_runs(cli, wri
     path = write_pipeline(FAN_IN)
     res = cli(command, path)
     assert res.code == 2, res.text
-    assert (f"{path}:7:54: 'train' snapshots every 3 steps (the cadence 'checkpoint' asks for), but 2 "
+    assert (f"{path}:8:66: 'train' snapshots every 3 steps (the cadence 'checkpoint' asks for), but 2 "
             "producer ranks feed each drafter replica: checkpoints must fall where each has sent as many "
             "rows, so every_steps x rows_per_step (3 x 1) must be a multiple of 2") in res.text
     assert not (tmp_path / "run").exists()
