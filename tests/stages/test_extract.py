@@ -55,6 +55,18 @@ def packed_row(docs: list[np.ndarray], pad: int = 0) -> dict:
             "state": {"position": 1}, "state_stage": "pack", "epochs": 1, "rows_per_epoch": 1}
 
 
+def packed_alone_joined(target: Path, lengths: tuple[int, ...], pad: int, tmp_path: Path,
+                        **cfg) -> tuple[dict, list[dict], dict]:
+    """extract's items for random documents of ``lengths`` packed in one row with ``pad`` tokens of
+    padding, for each document alone, and for all of them as one document: what a test of
+    document isolation compares."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 5999, n) for n in lengths]
+    rows = [packed_row(docs, pad=pad), *[packed_row([d]) for d in docs], packed_row([np.concatenate(docs)])]
+    items = extract(target, rows, tmp_path, **cfg)
+    return items[1], items[2:-1], items[-1]
+
+
 def test_header_then_features_per_row(target: Path, hf_model, tmp_path: Path) -> None:
     """First item: the target header (layer ids, frozen embedding / LM head weights, config,
     tokenizer facts); then one item per row with features [T, k*H], the row's own fields

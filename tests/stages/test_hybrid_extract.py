@@ -16,7 +16,7 @@ from dflash_model.target import compat
 from dflash_model.target.linear_attention import Kernels, fla_kernels, linear_mixers, varlen_mixer
 from dflash_model.target.packed_attention import layer_windows, row_attention_mask
 from tests.assets import unpack_qwen3_tokenizer
-from tests.stages.test_extract import extract, packed_row
+from tests.stages.test_extract import extract, packed_alone_joined, packed_row
 from tests.transformers_versions import needs_hybrid
 
 pytestmark = needs_hybrid
@@ -78,22 +78,19 @@ def test_each_document_of_a_packed_row_gets_its_features_alone(hybrid: Path, att
     """Three documents of different lengths and trailing padding in one row: in every linear and
     full-attention layer read, and in the last hidden state, each document's features equal the
     same document extracted alone (relative 1e-5, fp32); the same tokens as one document differ."""
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 5999, n) for n in DOCS]
     layers = LINEAR + FULL
-    rows = [packed_row(docs, pad=PAD), *[packed_row([d]) for d in docs], packed_row([np.concatenate(docs)])]
-    items = extract(hybrid, rows, tmp_path, layers=layers, last_hidden=True, attn_implementation=attn)
-    packed, alone, joined = items[1], items[2:-1], items[-1]
+    packed, alone, joined = packed_alone_joined(hybrid, DOCS, PAD, tmp_path, layers=layers, last_hidden=True,
+                                                attn_implementation=attn)
     assert packed["features"].shape == (sum(DOCS) + PAD, len(layers) * H)
     assert torch.isfinite(packed["features"]).all()
     start = 0
-    for doc, item in zip(docs, alone):
-        span = slice(start, start + len(doc))
+    for n, item in zip(DOCS, alone):
+        span = slice(start, start + n)
         for kind in (LINEAR, FULL):
             got = per_layer(packed["features"][span], layers, kind)
             assert rel(got, per_layer(item["features"], layers, kind)) <= 1e-5, (kind, start)
         assert rel(packed["last_hidden"][span], item["last_hidden"]) <= 1e-5
-        start += len(doc)
+        start += n
     later = slice(DOCS[0], sum(DOCS))  # documents after the first: what crossing boundaries spoils
     for kind in (LINEAR, FULL):
         mixed = per_layer(joined["features"][later], layers, kind)

@@ -22,7 +22,7 @@ from dflash_model.target import fp8
 from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.load import PRESETS, load_target
 from tests.assets import unpack_qwen3_tokenizer
-from tests.stages.test_extract import extract, packed_row
+from tests.stages.test_extract import packed_alone_joined, packed_row
 from tests.transformers_versions import needs_hybrid
 
 H = 256
@@ -343,19 +343,16 @@ def assert_documents_apart(target: Path, layers: list[int], tmp_path: Path, tol:
     """extract:hf_hooks on a row of three documents and padding: each document's features (and last
     hidden state) equal its features extracted alone within ``tol`` (relative); the same tokens as
     one document differ by far more."""
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 5999, n) for n in DOCS]
-    rows = [packed_row(docs, pad=PAD), *[packed_row([d]) for d in docs], packed_row([np.concatenate(docs)])]
-    items = extract(target, rows, tmp_path, layers=layers, last_hidden=True, attn_implementation="sdpa")
-    packed, alone, joined = items[1], items[2:-1], items[-1]
+    packed, alone, joined = packed_alone_joined(target, DOCS, PAD, tmp_path, layers=layers, last_hidden=True,
+                                                attn_implementation="sdpa")
     assert packed["features"].shape == (sum(DOCS) + PAD, len(layers) * H)
     assert torch.isfinite(packed["features"]).all()
     start = 0
-    for doc, item in zip(docs, alone):
-        span = slice(start, start + len(doc))
+    for n, item in zip(DOCS, alone):
+        span = slice(start, start + n)
         assert rel(packed["features"][span], item["features"]) <= tol, start
         assert rel(packed["last_hidden"][span], item["last_hidden"]) <= tol, start
-        start += len(doc)
+        start += n
     later = slice(DOCS[0], sum(DOCS))
     assert rel(joined["features"][later], packed["features"][later]) > 1e-2
 
