@@ -425,7 +425,6 @@ class _Supervisor:
         else:
             worker = ThreadWorker(task, self.thread_events, self.stop)
         self.workers[stage] = worker
-        self._wire_liveness(stage, worker)
         spec = self.p.stages[stage]
         self.r._fire("dflash_pipe_before_stage", stage=stage, kind=spec.cls.kind,
                      impl=spec.impl, device=spec.device)
@@ -434,6 +433,9 @@ class _Supervisor:
         if self.r.display:
             self.r.display.stage_started(stage)
         worker.start()
+        # wired once started: a worker not yet started is not alive, and a stream consumer
+        # already waiting on this stage would take it for dead
+        self._wire_liveness(stage, worker)
 
     def _wire_liveness(self, stage: str, worker: Any) -> None:
         for (up, down), ch in self.channels.items():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_core import hookimpl
 from dflash_core.artifacts import ArtifactStore
 from dflash_core.pipeline_file import load_pipeline
 from dflash_core.plugins import PluginManager
@@ -193,3 +194,34 @@ def test_executor_mixes_give_the_same_items(write_pipeline, executors):
         assert where["src"] == where["scale"] == (os.getpid(), "stage-sink")
     if executors == ("process", "inline", "process"):
         assert where["scale"] == (os.getpid(), "stage-scale")
+
+
+class SlowBeforeStage:
+    """A hook plugin that holds the runner in ``before_stage`` for ``stage``, as a slow hook or a
+    busy machine does between a worker's creation and its start."""
+
+    def __init__(self, stage: str, seconds: float) -> None:
+        self.stage, self.seconds = stage, seconds
+
+    @hookimpl
+    def dflash_pipe_before_stage(self, stage: str, kind: str, impl: str, device: str) -> None:
+        if stage == self.stage:
+            time.sleep(self.seconds)
+
+
+def test_a_stream_consumer_waiting_on_a_stage_about_to_start_does_not_take_it_for_dead(write_pipeline):
+    """sink streams from mid, so it starts at once and waits; mid starts only once src is
+    materialized. While the runner is still between mid's creation and its start (here held
+    for a second, five of the consumer's polls), mid is not dead: the run ends with every item."""
+    path = write_pipeline("""
+        stages:
+          src:  {uses: numbers, params: {n: 5}}
+          mid:  {uses: scale, after: src}
+          sink: {uses: collect, after: mid, link: stream}
+    """)
+    pm = _pm()
+    pm.add_plugin(SlowBeforeStage("mid", 1.0), "slow_before_stage")
+    results = Runner(load_pipeline(path, pm), pm).run()
+    assert {s: r.status for s, r in results.items()} == dict.fromkeys(("src", "mid", "sink"), "done")
+    store = ArtifactStore(str(path.parent / "run"))
+    assert list(store.items("sink", results["sink"].key)) == [{"i": k, "v": 2 * k} for k in range(5)]
