@@ -55,6 +55,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help=f"GPU-to-GPU bandwidth for the feature copy, GB/s (default {DEFAULT_LINK_GBPS:g})")
     p.add_argument("--hidden-size", type=int, metavar="H",
                    help="the target's hidden size, when --rates is given and it cannot be read from the model")
+    p.add_argument("--job-tokens", type=float, metavar="N",
+                   help="tokens the whole job trains on (every epoch counted, e.g. 10.8e9): also print its "
+                        "wall time on the recommended layout")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -93,13 +96,26 @@ def run(args: argparse.Namespace) -> int:
         err_console.print(f"error: {exc}")
         return EXIT_CONFIG
     result = plan(inputs, gpus)
+    job_h = _job_hours(result, args.job_tokens)
     if args.json:
         print(json.dumps({"pipeline": str(pipeline.path), "gpus": gpus,
-                          "measured": asdict(measured) if measured else None, "plan": asdict(result)}, indent=1))
+                          "measured": asdict(measured) if measured else None, "plan": asdict(result),
+                          "job": {"tokens": args.job_tokens, "hours": job_h} if job_h is not None else None},
+                         indent=1))
         return EXIT_OK
     report(result, pipeline.path, gpus_why, gpu_why, measured, given_rates=args.rates is not None,
            given_memory=args.memory is not None, k=k, hidden=hidden, elem=elem)
+    if job_h is not None:
+        console.print(f"job: {args.job_tokens:,.0f} tokens at {_num(result.recommended.tokens_per_s)} tokens/s "
+                      f"({result.recommended.name}) = {job_h:,.1f} h")
     return EXIT_OK
+
+
+def _job_hours(result: Plan, job_tokens: float | None) -> float | None:
+    """Wall hours of a job of ``job_tokens`` on the recommended layout (None without one of either)."""
+    if not job_tokens or result.recommended is None:
+        return None
+    return job_tokens / result.recommended.tokens_per_s / 3600
 
 
 def _measure(args: argparse.Namespace, pipeline: Any, extract: Any, train: Any, tokens: int | None) -> Any:

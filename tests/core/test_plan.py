@@ -161,7 +161,20 @@ def test_cli_with_given_rates_prints_every_layout_and_the_recommendation(cli, wr
 
     out = json.loads(res.out)
     assert out["plan"]["pairs"]["tokens_per_s"] == 14400.0 and out["measured"] is None
-    assert out["plan"]["recommended"]["name"] == "colocated"
+    assert out["plan"]["recommended"]["name"] == "colocated" and out["job"] is None
+
+
+def test_cli_prints_the_jobs_time_on_the_recommended_layout(cli, write_pipeline):
+    """10.8e9 tokens at the recommended colocated 21,934 tokens/s: 492,387 s = 136.8 h."""
+    path = write_pipeline(PIPELINE)
+    res = cli("plan", path, "--rates", "7200,23000", "--memory", "60,20", "--gpus", "4", "--job-tokens", "10.8e9")
+    assert res.code == 0, res.text
+    assert "job: 10,800,000,000 tokens at 21,934 tokens/s (colocated) = 136.8 h" in res.out
+    res = cli("plan", path, "--rates", "7200,23000", "--gpus", "4", "--job-tokens", "10.8e9", "--json")
+    import json
+
+    job = json.loads(res.out)["job"]
+    assert job["tokens"] == 10.8e9 and round(job["hours"], 1) == 136.8
 
 
 RANKS = re.compile(r"pack and extract with ranks: (\S+), train and checkpoint with ranks: (\S+);")
