@@ -18,8 +18,10 @@ its small-target recipe), sets pack to one epoch and runs the file's epochs itse
 (``--num-prompts``, ``--max-new-tokens``) on the file's held-out prompts.
 
 The points train at once (``--sequential``: one after the other), so with all of them on one GPU
-each wall clock is its own under that load. Prints one table (steps, anchors, drafter compute,
-training time, peak memory, served τ, n-gram τ, lossless) and writes ``side_by_side.json`` in ``--out``.
+each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
+first N prompts it was trained on. Prints one table (steps, anchors, drafter compute, training
+time, peak memory, served τ, n-gram τ, lossless, and τ on training prompts) and writes
+``side_by_side.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -151,10 +153,16 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--eval-batch-size", type=int, default=64)
     ap.add_argument("--sequential", action="store_true", help="train one point after the other")
+    ap.add_argument("--train-prompts", type=int, default=0, metavar="N",
+                    help="also serve each export on the first N prompts of the file's download source: "
+                         "prompts it was trained on (under-fitting shows as τ there barely above held-out)")
     args = ap.parse_args()
 
     shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
     heldout = str((base_path.parent / base["stages"]["train"]["params"]["heldout"]).resolve())
+    prompt_sets = {"eval": (heldout, args.num_prompts)}
+    if args.train_prompts:
+        prompt_sets["eval_train"] = (training_prompts(base, base_path.parent), args.train_prompts)
     records = out / "records.jsonl"
     print(f"{write_records(shards, 1.0, records)} records from {len(shards)} shards", flush=True)
 
@@ -191,23 +199,35 @@ def main() -> int:
             figures[name]["peak_gib"] = train_peak(out / name / "train.log")
         else:
             figures[name] = {}
-    evals = {name: run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", f["export"], "--prompts", heldout,
-                        "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-                        "--batch-size", str(args.eval_batch_size), "--out", str(out / name / "eval")],
-                       out / name / "eval.log")
-             for name, f in figures.items() if f.get("export")}
+    evals = {(name, kind): run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", f["export"],
+                                "--prompts", prompts, "--num-prompts", str(n), "--max-new-tokens",
+                                str(args.max_new_tokens), "--batch-size", str(args.eval_batch_size),
+                                "--out", str(out / name / kind)], out / name / f"{kind}.log")
+             for name, f in figures.items() if f.get("export") for kind, (prompts, n) in prompt_sets.items()}
     served = wait_all(evals)
     rows = []
     for name, f in figures.items():
-        report = out / name / "eval" / "report.json"
-        rep = json.loads(report.read_text()) if report.exists() else {}
+        rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
         rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
                      "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
-                     "eval_rc": served.get(name, (None,))[0],
-                     **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")}})
+                     "eval_rc": max((served[k][0] for k in served if k[0] == name), default=None),
+                     **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
+                     "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram")})
         (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
+
+
+def training_prompts(base: dict[str, Any], base_dir: Path) -> str:
+    """The prompt file the quality pipeline generated its records from (the first, when its
+    download stage reads several): each point trained on the completions of these prompts."""
+    source = base["stages"]["download"]["params"]["source"]
+    first = source[0] if isinstance(source, list) else source
+    return str((base_dir / first).resolve())
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def drafter_config_of(run_dir: Path) -> Any:
@@ -233,13 +253,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return format(r[key], fmt) if r.get(key) is not None else "-"
 
     print(f"\n{'point':<16} {'trainer':<9} {'steps':>6} {'anchors/step':>12} {'blocks':>9} {'PFLOP':>7} {'train s':>8} "
-          f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'n-gram':>6} {'lossless':>8}")
+          f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'n-gram':>6} {'lossless':>8} "
+          f"{'τ train':>7} {'n-gram train':>12}")
     for r in rows:
         print(f"{r['point']:<16} {r['trainer']:<9} {f(r, 'steps', 'd'):>6} {f(r, 'anchors_per_step', '.1f'):>12} "
               f"{f(r, 'anchor_blocks', '.3g'):>9} {f(r, 'drafter_pflop', '.1f'):>7} {f(r, 'train_s', '.0f'):>8} "
               f"{f(r, 'pipeline_s', '.0f'):>10} {f(r, 'peak_gib', '.1f'):>8} {f(r, 'loss', '.3f'):>6} "
               f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ngram', '.2f'):>6} "
-              f"{str(r.get('lossless', '-')):>8}")
+              f"{str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} {f(r, 'tau_ngram_train', '.2f'):>12}")
     ours = next((r for r in rows if r["trainer"] == "ours" and r.get("tau")), None)
     ref = next((r for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
     if ours and ref:

@@ -135,3 +135,14 @@ def test_the_stage_refuses_rows_of_several_epochs_and_a_missing_checkout(tmp_pat
         stage._collect(iter([row]), torch.device("cpu"), StageContext(stage="train", config=None))
     with pytest.raises(ValueError, match="needs a SpecForge checkout"):
         import_specforge(str(tmp_path))
+
+
+def test_training_prompts_are_the_first_download_source_of_the_quality_file(tmp_path: Path) -> None:
+    """--train-prompts serves the prompts the records were generated from: the download source
+    (the first of a list), resolved against the pipeline file's folder."""
+    from benchmarks.side_by_side import training_prompts
+
+    base = yaml.safe_load((REPO / "pipelines" / "quality_gpu.yaml").read_text())
+    assert training_prompts(base, REPO / "pipelines") == str(REPO / "pipelines/data/sharegpt/train.jsonl")
+    base["stages"]["download"]["params"]["source"] = ["data/sharegpt/train_later.jsonl", "data/other.jsonl"]
+    assert training_prompts(base, tmp_path) == str(tmp_path / "data/sharegpt/train_later.jsonl")

@@ -17,7 +17,7 @@ from dflash_model.target.linear_attention import Kernels, fla_kernels, linear_mi
 from dflash_model.target.packed_attention import layer_windows, row_attention_mask
 from tests.assets import unpack_qwen3_tokenizer
 from tests.stages.test_extract import extract, packed_alone_joined, packed_row
-from tests.transformers_versions import needs_hybrid
+from tests.transformers_versions import hybrid_on_cpu, needs_hybrid
 
 pytestmark = needs_hybrid
 H = 64
@@ -27,8 +27,6 @@ TYPES = ["linear_attention", "linear_attention", "full_attention",
 LINEAR, FULL = [0, 3], [2, 5]
 DOCS = (70, 33, 101)  # the first and last cross the recurrence's 64-token chunks
 PAD = 12
-ON_CPU = pytest.mark.skipif(fla_kernels() is not None, reason="with fla installed, transformers runs the "
-                            "layers' own forward on fla's kernels, which need CUDA")
 FLA_FP32_TOL = 2e-4
 """fla's Triton kernels round differently from transformers' torch code in fp32 (checked on an H200)."""
 
@@ -71,7 +69,7 @@ def per_layer(feats: torch.Tensor, layers: list[int], wanted: list[int]) -> torc
     return torch.cat([feats[:, layers.index(t) * H:(layers.index(t) + 1) * H] for t in wanted], dim=-1)
 
 
-@ON_CPU
+@hybrid_on_cpu
 @pytest.mark.parametrize(("hybrid", "attn"), [("text", "sdpa"), ("text", "packed_flex"),
                                               ("vision_language", "sdpa")], indirect=["hybrid"])
 def test_each_document_of_a_packed_row_gets_its_features_alone(hybrid: Path, attn: str, tmp_path: Path) -> None:
@@ -97,7 +95,7 @@ def test_each_document_of_a_packed_row_gets_its_features_alone(hybrid: Path, att
         assert rel(mixed, per_layer(packed["features"][later], layers, kind)) > 1e-2
 
 
-@ON_CPU
+@hybrid_on_cpu
 @pytest.mark.parametrize("hybrid", ["text"], indirect=True)
 def test_compiled_layers_keep_documents_apart(hybrid: Path, tmp_path: Path) -> None:
     """``compile: on``: decoder layers compiled around the replaced linear mixers still cut each
@@ -142,7 +140,7 @@ def reference_kernels(mixer: torch.nn.Module) -> Kernels:
     return Kernels(conv, rule)
 
 
-@ON_CPU
+@hybrid_on_cpu
 @pytest.mark.skipif(not compat.installed_at_least("5.15.0"),
                     reason="the reference conv is transformers' torch causal_conv1d_fn, which 5.15 brought")
 def test_varlen_mixer_is_the_layers_own_forward_per_document() -> None:

@@ -23,7 +23,7 @@ from dflash_model.target.capture import FeatureCapture
 from dflash_model.target.load import PRESETS, load_target
 from tests.assets import unpack_qwen3_tokenizer
 from tests.stages.test_extract import packed_row
-from tests.transformers_versions import needs_hybrid
+from tests.transformers_versions import hybrid_on_cpu, needs_hybrid
 
 H = 256
 """Two 128-wide blocks."""
@@ -378,6 +378,7 @@ def test_dense_fp8_features_keep_documents_apart(dense: tuple[Path, Path, list[s
 
 
 @needs_hybrid
+@hybrid_on_cpu
 @pytest.mark.parametrize("hybrid", ["text"], indirect=True)
 def test_hybrid_fp8_features_keep_documents_apart(hybrid: tuple[Path, Path, list[str]]) -> None:
     assert_documents_apart(hybrid[1], [0, 2], tol=1e-9)
@@ -388,6 +389,7 @@ def features(model: nn.Module, layers: list[int], row: dict) -> torch.Tensor:
 
 
 @needs_hybrid
+@hybrid_on_cpu
 @pytest.mark.parametrize("hybrid", ["text"], indirect=True)
 def test_fp8_features_against_the_same_weights(dense: tuple[Path, Path, list[str]],
                                                hybrid: tuple[Path, Path, list[str]]) -> None:
