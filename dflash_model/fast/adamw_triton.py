@@ -28,8 +28,9 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, step_ptr, scale_ptr, lr, beta1, beta2, log2_beta1, log2_beta2,
-                  eps, weight_decay, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, n, step_ptr, scale_ptr, lr, beta1, beta2, log2_beta1,
+                  log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     step = tl.load(step_ptr).to(tl.float32)
@@ -47,6 +48,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, step_ptr, scale_ptr, lr, beta1,
     # IEEE square root and division (tl.sqrt and / are approximate on GPUs), as torch computes
     p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=inside)
+    if HAS_COPY:  # master weights: the low-precision weight the model computes with, rounded here
+        tl.store(w_ptr + offs, p.to(w_ptr.dtype.element_ty), mask=inside)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=inside)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=inside)
 
@@ -77,13 +80,16 @@ def total_norm(tensors: list[torch.Tensor], block: int = NORM_BLOCK, num_warps: 
 
 def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
                  grad_scale: torch.Tensor | None, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+                 weight_decay: float, copy: torch.Tensor | None = None, block: int = BLOCK,
+                 num_warps: int = NUM_WARPS) -> None:
     """One AdamW update of ``p`` and its moments in place (``step`` already counts this one;
-    the gradient is divided by ``grad_scale`` when given)."""
+    the gradient, of any float dtype, is divided by ``grad_scale`` when given). ``copy``: a
+    tensor of ``p``'s shape that also receives the updated ``p``, rounded to its dtype."""
     beta1, beta2 = betas
     _adamw_kernel[(triton.cdiv(p.numel(), block),)](
-        p, _flat(g), m, v, p.numel(), step, grad_scale if grad_scale is not None else step, lr, beta1, beta2,
-        math.log2(beta1), math.log2(beta2), eps, weight_decay, HAS_SCALE=grad_scale is not None, BLOCK=block,
+        p, _flat(g), m, v, copy if copy is not None else p, p.numel(), step,
+        grad_scale if grad_scale is not None else step, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps,
+        weight_decay, HAS_SCALE=grad_scale is not None, HAS_COPY=copy is not None, BLOCK=block,
         num_warps=num_warps)
 
 
@@ -116,20 +122,36 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
-            todo = [p for p in group["params"] if p.grad is not None]
-            if not todo:
-                continue
-            for p in todo:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states = [self.state[p] for p in todo]
-            torch._foreach_add_([st["step"] for st in states], 1.0)
-            for p, st in zip(todo, states):
-                adamw_update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], grad_scale, group["lr"],
-                             group["betas"], group["eps"], group["weight_decay"])
+            self._update(group, [(p, p.grad, None) for p in group["params"] if p.grad is not None])
         return loss
+
+    @torch.no_grad()
+    def step_masters(self, grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> None:
+        """The step of ``optim.MasterAdamW`` in one pass per parameter: each float32 master (this
+        optimizer's parameters, in order) takes its low-precision gradient ``grads[i]`` as it is
+        (no float32 copy of it is made) and writes its update rounded into ``copies[i]``, the
+        weight the model computes with. A None gradient skips its parameter."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        by_group = {id(p): group for group in self.param_groups for p in group["params"]}
+        for group in self.param_groups:
+            self._update(group, [(p, g, c) for p, g, c in zip(params, grads, copies, strict=True)
+                                 if g is not None and by_group[id(p)] is group])
+
+    def _update(self, group: dict[str, Any],
+                todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+        """AdamW on (parameter, gradient, copy or None) of one group, the steps counted first."""
+        if not todo:
+            return
+        for p, _, _ in todo:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p, _, _ in todo]
+        torch._foreach_add_([st["step"] for st in states], 1.0)
+        grad_scale = getattr(self, "grad_scale", None)
+        for (p, g, copy), st in zip(todo, states):
+            adamw_update(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], grad_scale, group["lr"],
+                         group["betas"], group["eps"], group["weight_decay"], copy)

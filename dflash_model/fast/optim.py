@@ -54,9 +54,20 @@ class MasterAdamW:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
+    @property
+    def fused(self) -> bool:
+        """Whether the step is one kernel pass per parameter (``TritonAdamW.step_masters``): the
+        low-precision gradients read as they are, the weights written rounded by the update
+        itself. Otherwise float32 gradient copies go to the inner AdamW and the weights are
+        copied back after it."""
+        return hasattr(self.inner, "step_masters")
+
     def gradients(self) -> list[torch.Tensor]:
-        """The float32 copies of the model's gradients that the step takes, made here so that the
-        clip's norm (``clipped_step``) is summed in float32 too."""
+        """The gradients the step takes, for the clip's norm (``clipped_step``), which is summed in
+        float32 either way: the low-precision ones when fused (Triton's norm reads them as
+        float32), else their float32 copies, made here."""
+        if self.fused:
+            return [p.grad for p in self.params if p.grad is not None]
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
         return [m.grad for m in self.masters if m.grad is not None]
@@ -66,6 +77,10 @@ class MasterAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.fused:
+            self.inner.grad_scale = self.grad_scale
+            self.inner.step_masters([p.grad for p in self.params], self.params)
+            return
         for p, m in zip(self.params, self.masters):
             if m.grad is None and p.grad is not None:  # not copied yet by ``gradients``
                 m.grad = p.grad.float()

@@ -5,7 +5,7 @@ TRITON_INTERPRET); with one, compiled on it. The H200 timing is benchmarks/optim
 import pytest
 import torch
 
-from dflash_model.fast.optim import adamw, clipped_step
+from dflash_model.fast.optim import MasterAdamW, adamw, clipped_step
 
 pytest.importorskip("triton", reason="the kernels are Triton code (the test extra installs triton)")
 from dflash_model.fast import adamw_triton as kernels  # noqa: E402  (imports triton)
@@ -85,6 +85,31 @@ def test_triton_adamw_bf16_is_torch_fused_math():
         torch.testing.assert_close(ours.detach(), fused.detach(), rtol=8e-3, atol=1e-4)
     else:
         assert torch.equal(ours.detach(), _adamw_bf16(p0, grads, _truncate_bf16))
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_the_fused_master_step_is_the_unfused_one(max_norm):
+    """MasterAdamW over TritonAdamW takes one kernel pass per parameter: it reads the bf16 gradient
+    as it is and writes the float32 master, the moments and the bf16 weight. Its clip's norm and
+    masters equal the unfused MasterAdamW's (float32 gradient copies, torch's AdamW, a copy back),
+    and its weights are its masters rounded (truncated by Triton's interpreter, see above)."""
+    to_bf16 = _truncate_bf16 if DEV == "cpu" else (lambda x: x.to(torch.bfloat16))
+    ours, ref = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = MasterAdamW(ours, lr=1e-2, weight_decay=0.1, kernel="torch")
+    opt.inner = kernels.TritonAdamW(opt.masters, lr=1e-2, weight_decay=0.1)
+    ref_opt = MasterAdamW(ref, lr=1e-2, weight_decay=0.1, kernel="torch")
+    assert opt.fused and not ref_opt.fused
+    for step in range(4):
+        for p, q, g in zip(ours, ref, _grads(step, 5.0 * (step + 1), torch.bfloat16)):
+            p.grad, q.grad = g.clone(), g.clone()
+        torch.testing.assert_close(clipped_step(opt, max_norm), clipped_step(ref_opt, max_norm))
+        for p, m, q, n in zip(ours, opt.masters, ref, ref_opt.masters):
+            torch.testing.assert_close(m, n, rtol=1e-6, atol=1e-6)
+            assert torch.equal(p, to_bf16(m.detach()))
+            assert m.grad is None  # no float32 gradient copy was made
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert all(not torch.equal(p.float(), q.float()) for p, q in zip(_params(torch.bfloat16), ours))
 
 
 def test_total_norm_equals_get_total_norm():
