@@ -68,12 +68,22 @@ def sample_anchors(loss_mask: torch.Tensor, doc_lengths: Sequence[int] | torch.T
     Draw afresh each step; ``generator`` makes it reproducible (its device decides where the
     permutation is drawn). Returns a LongTensor on loss_mask's device.
     """
+    return sample_anchor_shares(loss_mask, doc_lengths, num_anchors, 1, generator, doc_ids=doc_ids)[0]
+
+
+def sample_anchor_shares(loss_mask: torch.Tensor, doc_lengths: Sequence[int] | torch.Tensor | None,
+                         num_anchors: int, shares: int, generator: torch.Generator | None = None, *,
+                         doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``shares`` disjoint draws of up to ``num_anchors`` anchors each, sorted: min(num_anchors x
+    shares, #candidates) drawn without replacement, in the order drawn, cut into consecutive
+    shares (the later ones short or empty when candidates run out). What ``steps_per_row``
+    training takes, one share a step; one share is :func:`sample_anchors`."""
     docs = resolve_doc_ids(loss_mask.shape[0], doc_lengths, doc_ids, loss_mask.device)
     cand = anchor_candidates(loss_mask, docs)
-    n = min(int(num_anchors), cand.numel())
+    n = min(int(num_anchors) * int(shares), cand.numel())
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    pick = torch.randperm(cand.numel(), generator=generator, device=gen_device)[:n].to(cand.device)
-    return cand[pick].sort().values
+    pick = cand[torch.randperm(cand.numel(), generator=generator, device=gen_device)[:n].to(cand.device)]
+    return [pick[i * num_anchors:(i + 1) * num_anchors].sort().values for i in range(shares)]
 
 
 def pad_anchors(anchors: torch.Tensor, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,9 @@ class TrainConfig:
         "help": "keep float32 master weights and moments when the drafter computes in bf16 / fp16 (off: "
                 "AdamW updates the low-precision weights in place, and updates below their precision are lost)"})
     rows_per_step: int = field(default=1, metadata={"help": "rows per optimizer step (per rank)"})
+    steps_per_row: int = field(default=1, metadata={
+        "help": "optimizer steps on each row's features, each on its own num_anchors anchors of the row "
+                "(disjoint draws): more steps and anchors for one target forward; needs rows_per_step 1"})
     total_steps: int | None = field(default=None, metadata={
         "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
                 "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
@@ -121,6 +124,11 @@ class TrainConfig:
             raise ValueError("flex_kernel_options must be auto, null or a mapping")
         if isinstance(self.flex_tile, bool) or self.flex_tile not in get_args(FlexTile):
             raise ValueError(f"flex_tile must be auto, 16, 32, 64 or 128, got {self.flex_tile!r}")
+        if self.rows_per_step < 1 or self.steps_per_row < 1:
+            raise ValueError("rows_per_step and steps_per_row must be >= 1")
+        if self.rows_per_step > 1 and self.steps_per_row > 1:
+            raise ValueError("rows_per_step > 1 (several rows a step) and steps_per_row > 1 (several steps "
+                             "a row) exclude each other: set one of them to 1")
         if self.block_size < 2 or self.num_layers < 1 or self.num_anchors < 1:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
         if self.grad_clip is not None and self.grad_clip < 0:

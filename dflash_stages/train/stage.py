@@ -1,7 +1,7 @@
 """train:dflash — optimizer steps on the drafter from streamed feature rows.
 
-Deterministic by construction: the drafter is initialised from ``seed`` and each step's
-anchors come from a generator seeded by (seed, step, rank, micro-step), so a resumed run
+Deterministic by construction: the drafter is initialised from ``seed`` and each row's
+anchors come from a generator seeded by (seed, row's step, rank, micro-step), so a resumed run
 replays exactly the steps an uninterrupted run takes (no RNG stream to restore for anchors).
 With ``WORLD_SIZE > 1`` (torchrun) each rank trains on its shard of rows and gradients are
 averaged with one all-reduce per step.
@@ -35,13 +35,14 @@ class DFlashTrain(Stage):
 
     @classmethod
     def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
-        """Snapshots must fall where every producer rank of a fan-in has sent as many rows: the
-        trainer would refuse the cadence at its first step; say so before anything starts."""
+        """Snapshots must fall between rows (``steps_per_row``) where every producer rank of a
+        fan-in has sent as many rows: the trainer would refuse the cadence at its first step; say
+        so before anything starts."""
         cfg: TrainConfig = pipeline.stages[name].config
         consumers = pipeline.consumer_facts(name)
         try:
             SnapshotPolicy.for_trainer(cfg.checkpoint_every, consumers, pipeline.fan_in(name).get("features", 1),
-                                       cfg.rows_per_step)
+                                       cfg.rows_per_step, cfg.steps_per_row)
         except ValueError as exc:
             if cfg.checkpoint_every:  # reported where the cadence is set, the line to change
                 every, owner, at = cfg.checkpoint_every, "its checkpoint_every", (name, "checkpoint_every")

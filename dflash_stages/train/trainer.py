@@ -21,7 +21,7 @@ from dflash_core.devices import use_device
 from dflash_core.facts import tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
-from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchors
+from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchor_shares
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.optim import clipped_step, drafter_optimizer
@@ -145,7 +145,8 @@ class Trainer:
         """Steps of the whole run from the pack stage's epoch plan (``cfg.total_steps`` unset)."""
         per_epoch, epochs = row.get("rows_per_epoch"), row.get("epochs")
         if per_epoch and epochs:
-            return max(1, int(per_epoch) * int(epochs) * self.fan_in() // self.cfg.rows_per_step)
+            cfg = self.cfg
+            return max(1, int(per_epoch) * int(epochs) * self.fan_in() * cfg.steps_per_row // cfg.rows_per_step)
         return None
 
     def fan_in(self) -> int:
@@ -170,19 +171,19 @@ class Trainer:
         """When to snapshot: ``checkpoint_every``, else the cadence the consumers (the checkpoint
         stage) publish to this stage."""
         return SnapshotPolicy.for_trainer(self.cfg.checkpoint_every, self.ctx.consumer_facts,
-                                          self.fan_in(), self.cfg.rows_per_step)
+                                          self.fan_in(), self.cfg.rows_per_step, self.cfg.steps_per_row)
 
     def fit(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Train on the stream of feature rows, ``rows_per_step`` rows a step, until it ends, the
-        step limit or an interrupt; logs, and yields the snapshots to checkpoint (the last one
-        always)."""
+        """Train on the stream of feature rows, ``rows_per_step`` rows a step (or each row for
+        ``steps_per_row`` steps), until it ends, the step limit or an interrupt; logs, and yields
+        the snapshots to checkpoint (the last one always)."""
         cfg, ctx = self.cfg, self.ctx
         policy = self.snapshot_policy()
         interrupted = False
         self.metrics.start()
         if self.step:  # resumed: the display counts on from the checkpoint's step
             ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
-        feed = iter(rows)
+        feed = _each_row_repeated(rows, cfg.steps_per_row)
         while not self.limit_reached():
             step_rows = _StepRows(feed, cfg.rows_per_step)
             done = self.train_step(step_rows)
@@ -224,8 +225,10 @@ class Trainer:
         ``rows``: at most ``rows_per_step`` rows, read one at a time (each row's features can be
         freed once its backward is done); fewer only for a stream's last, partial step. Each row's
         anchors are drawn from (seed, step, its slot in the global batch), so the same rows at the
-        same step give the same weights however they are fed. Returns None, and takes no step,
-        when ``rows`` is empty. Call after :meth:`setup`.
+        same step give the same weights however they are fed. With ``steps_per_row`` k, the same
+        row comes to k steps in a row, and each takes its own share of the row's anchors (its
+        tokens count once, at the first). Returns None, and takes no step, when ``rows`` is empty.
+        Call after :meth:`setup`.
 
         ``mark`` is called with "forward" and "backward" after each row's loss and backward, and
         with "optimizer" after the step: where ``benchmarks/step_phases.py`` splits its time."""
@@ -240,7 +243,7 @@ class Trainer:
             batch = FeatureBatch.from_row(row, self.device)
             anchors = self._anchors(batch, micro)
             n = int(batch.features.shape[0])
-            count, tokens = micro + 1, tokens + n
+            count, tokens = micro + 1, tokens + (0 if self.step % cfg.steps_per_row else n)
             drawn.append(anchors)
             if anchors.numel() == 0:
                 continue
@@ -255,11 +258,16 @@ class Trainer:
 
     def _anchors(self, batch: FeatureBatch, micro: int) -> torch.Tensor:
         """The anchors of the step's ``micro``-th row, seeded by its place in the global batch:
-        one process with rows_per_step=R draws the same anchors as R ranks with one row each."""
+        one process with rows_per_step=R draws the same anchors as R ranks with one row each.
+        With ``steps_per_row`` k the draw is seeded by the row's first step, and step i of the
+        row takes share i of it: k disjoint sets (k = 1: the step's own draw)."""
         cfg = self.cfg
         slot = self.ctx.rank * cfg.rows_per_step + micro
-        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot)) & 0x7FFFFFFFFFFFFFFF)
-        return sample_anchors(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, gen)
+        first, share = divmod(self.step, cfg.steps_per_row)
+        first *= cfg.steps_per_row
+        gen = torch.Generator().manual_seed(hash((cfg.seed, first, slot)) & 0x7FFFFFFFFFFFFFFF)
+        return sample_anchor_shares(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, cfg.steps_per_row,
+                                    gen)[share]
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step
@@ -367,6 +375,13 @@ def weights_digest(model: torch.nn.Module) -> bytes:
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())
     return h.digest()
+
+
+def _each_row_repeated(rows: Iterable[dict[str, Any]], times: int) -> Iterator[dict[str, Any]]:
+    """Each row ``times`` times in a row: the feed of ``steps_per_row`` training."""
+    for row in rows:
+        for _ in range(times):
+            yield row
 
 
 class _StepRows:

@@ -116,6 +116,21 @@ def test_a_cadence_that_splits_a_fan_in_is_refused_before_anything_runs(cli, wri
     assert cli("validate", write_pipeline(FAN_IN.replace("params: {every_steps: 3}, ", ""))).code == 0
 
 
+def test_a_cadence_inside_a_row_of_several_steps_is_refused(cli, write_pipeline) -> None:
+    """With ``steps_per_row: 3`` a snapshot after step 10 would cut a row's steps: refused where the
+    cadence is set; a multiple of 3 passes."""
+    path = write_pipeline(FAN_IN.replace(", ranks: [0, 1]", "").replace(", ranks: [2]", "")
+                          .replace("'train:dflash', after: extract", "'train:dflash', after: extract, "
+                                   "params: {steps_per_row: 3}")
+                          .replace("every_steps: 3", "every_steps: 10"))
+    res = cli("validate", path)
+    assert res.code == 2, res.text
+    assert ("'train' snapshots every 10 steps (the cadence 'checkpoint' asks for), but the trainer takes 3 "
+            "steps on each row (steps_per_row): checkpoints must fall between rows, so every_steps (10) must "
+            "be a multiple of 3") in res.text.replace("\n", " ")
+    assert cli("validate", path, "--set", "stages.checkpoint.params.every_steps=12").code == 0
+
+
 @pytest.mark.parametrize("fan_in, rows_per_step, every", [(1, 1, 1000), (2, 1, 1000), (3, 1, 1002),
                                                          (3, 2, 1002), (4, 2, 1000), (6, 4, 1002)])
 def test_the_default_cadence_moves_up_to_the_nearest_step_a_fan_in_can_save_at(fan_in, rows_per_step,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import packed_row
 
-from dflash_model.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths, sample_anchors,
-                                 slot_weights, tau_serve, tau_sim)
+from dflash_model.drafter import (anchor_candidates, block_labels, build_blocks, doc_ids_from_lengths,
+                                 sample_anchor_shares, sample_anchors, slot_weights, tau_serve, tau_sim)
 
 
 def test_doc_ids_from_lengths_marks_padding():
@@ -32,6 +32,22 @@ def test_sample_anchors_count_order_uniqueness_reproducibility():
     every = sample_anchors(r["loss_mask"], None, 10_000, torch.Generator().manual_seed(0),
                            doc_ids=doc_ids_from_lengths(r["doc_lengths"], 40))
     assert set(every.tolist()) == cand  # min(N, #candidates)
+
+
+@pytest.mark.parametrize("per_share, shares", [(4, 3), (7, 4)])
+def test_anchor_shares_are_disjoint_draws_and_one_share_is_sample_anchors(per_share, shares):
+    """Shares of ``per_share`` anchors, sorted, pairwise disjoint, drawn from the candidates; the
+    first is what ``sample_anchors`` draws from the same generator state; when the candidates run
+    out (7 x 4 > 21 candidates here) the later shares are short and every candidate is drawn once."""
+    r = packed_row()
+    cand = set(anchor_candidates(r["loss_mask"], doc_ids_from_lengths(r["doc_lengths"], 40)).tolist())
+    got = sample_anchor_shares(r["loss_mask"], r["doc_lengths"], per_share, shares, torch.Generator().manual_seed(3))
+    assert len(got) == shares and all(torch.equal(a, a.sort().values) for a in got)
+    drawn = [x for a in got for x in a.tolist()]
+    assert len(drawn) == len(set(drawn)) == min(per_share * shares, len(cand)) and set(drawn) <= cand
+    assert [len(a) for a in got] == [max(0, min(per_share, len(cand) - i * per_share)) for i in range(shares)]
+    assert torch.equal(got[0], sample_anchors(r["loss_mask"], r["doc_lengths"], per_share,
+                                              torch.Generator().manual_seed(3)))
 
 
 def test_labels_are_the_token_at_a_plus_k_and_never_cross_documents():

@@ -90,3 +90,64 @@ def test_a_trainer_loaded_with_another_ones_state_steps_identically(tmp_path: Pa
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert got.lr == expected.lr and torch.equal(got.grad_norm, expected.grad_norm)
     assert torch.equal(got.row_stats[0]["loss"], expected.row_stats[0]["loss"])
+
+
+def test_steps_per_row_takes_k_steps_on_each_row_with_disjoint_anchors(tmp_path: Path) -> None:
+    """``steps_per_row: 3``: 5 rows give 15 optimizer steps, the LR schedule spans them, the three
+    steps of a row take three disjoint draws of its anchors (the row's one draw of 3 x 8, cut in
+    three), its tokens count at the first step only, and the loop's weights are those of the
+    same steps taken one by one."""
+    from dflash_model.drafter import FeatureBatch, sample_anchor_shares
+
+    k = 3
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, steps_per_row=k, log_every=1)
+    target = tiny_qwen3()
+    rows = feature_rows(target["hidden_size"])
+
+    looped = trainer(cfg, header(target, LAYERS), tmp_path / "loop")
+    snapshots = list(looped.fit(iter(rows)))
+    assert looped.step == ROWS * k == looped.total and snapshots[-1]["final"]
+
+    stepped = trainer(cfg, header(target, LAYERS), tmp_path / "steps")
+    for i, row in enumerate(rows):
+        done = [stepped.train_step([row]) for _ in range(k)]
+        shares = [d.anchors[0].tolist() for d in done]
+        drawn = [a for share in shares for a in share]
+        assert len(drawn) == len(set(drawn)) == 3 * 8  # 24 distinct anchors, 8 a step
+        batch = FeatureBatch.from_row(row, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(hash((cfg.seed, i * k, 0)) & 0x7FFFFFFFFFFFFFFF)
+        want = sample_anchor_shares(batch.loss_mask, batch.doc_lengths, 8, k, gen)
+        assert shares == [w.tolist() for w in want]
+        assert [d.tokens for d in done] == [96, 0, 0]
+    assert weights_digest(stepped.model) == weights_digest(looped.model)
+
+
+def test_steps_per_row_snapshots_between_rows_and_resumes_into_the_same_weights(tmp_path: Path) -> None:
+    """A snapshot every 4 steps with 2 steps a row falls after rows 2 and 4, never inside a row;
+    a trainer that loads the first one and trains on the rows after its cursor ends with the
+    weights of the uninterrupted run."""
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, steps_per_row=2, checkpoint_every=4)
+    target = tiny_qwen3()
+    rows = feature_rows(target["hidden_size"])
+    whole = trainer(cfg, header(target, LAYERS), tmp_path / "whole")
+    snaps = list(whole.fit(iter(rows)))
+    assert [(s["step"], s["pipeline_state"]["pack"]) for s in snaps] == [
+        (4, {"position": 2}), (8, {"position": 4}), (10, {"position": 5})]
+
+    first = snaps[0]
+    resumed = trainer(cfg, header(target, LAYERS), tmp_path / "resumed")
+    resumed.load_state_dict({"model": first["model"], "optimizer": first["optimizer"], "step": first["step"],
+                             "rng": first["rng"], "data": {"pack": first["pipeline_state"]["pack"]}})
+    list(resumed.fit(iter(rows[2:])))
+    assert resumed.step == 10 and weights_digest(resumed.model) == weights_digest(whole.model)
+
+
+def test_steps_per_row_refuses_what_cannot_hold() -> None:
+    from dflash_stages.train.snapshots import SnapshotPolicy
+
+    with pytest.raises(ValueError, match="exclude each other"):
+        TrainConfig(rows_per_step=2, steps_per_row=2)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        SnapshotPolicy(every=10, steps_per_row=3)
+    policy = SnapshotPolicy.for_trainer(0, {"checkpoint": {"snapshot_about_every": 10}}, 1, 1, 3)
+    assert policy.every == 12 and policy.boundary(12) and not policy.boundary(13)
