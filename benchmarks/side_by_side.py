@@ -96,14 +96,16 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
     return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
 
 
-def wait_all(procs: dict[str, subprocess.Popen]) -> dict[str, tuple[int, float]]:
-    """Return code and wall clock of each process, measured from now."""
+def wait_all(procs: dict[Any, subprocess.Popen]) -> dict[Any, tuple[int, float]]:
+    """Return code and wall clock of each process, measured from now (keys: a point's name, or
+    (name, evaluation) pairs)."""
     t0, done = time.time(), {}
     while len(done) < len(procs):
         for name, p in procs.items():
             if name not in done and p.poll() is not None:
                 done[name] = (p.returncode, round(time.time() - t0, 1))
-                print(f"[{time.strftime('%H:%M:%S')}] {name} exited {p.returncode} after {done[name][1]} s",
+                label = " ".join(name) if isinstance(name, tuple) else name
+                print(f"[{time.strftime('%H:%M:%S')}] {label} exited {p.returncode} after {done[name][1]} s",
                       flush=True)
         time.sleep(1)
     return done
