@@ -121,7 +121,8 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     """The report of one drafter module on token-id prompts (no files, no tokenizer).
 
     ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
-    ``tie_tolerance``: relative logit gap of a tolerated near tie (default by dtype, ``TIE_TOLERANCE``);
+    ``tie_tolerance``: relative logit gap of a tolerated near tie (default: ``runs.tie_tolerance``, by
+    dtype and FP8 layers);
     ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes.
 
     In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
@@ -137,8 +138,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     embed, head = embeddings_and_head(target)
     _check_shapes(target, drafter, embed)
     eos = eos_set(eos_token_id)
-    tol = (tie_tolerance if tie_tolerance is not None
-           else runs.TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4))
+    tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
     refs, ref_s = runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
     dec = _Decoding(target, prompts, refs, B, max_new_tokens, eos, batch_size, tol)
     timing: dict[str, Any] = {"greedy_s": round(ref_s, 3)}
@@ -146,7 +146,8 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
                      _batch_progress(progress, len(prompts)))
     report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
-                              "max_new_tokens": max_new_tokens, **_served_summary(run, dec, ref_s, timing)}
+                              "max_new_tokens": max_new_tokens, "fp8_layers": runs.fp8_layers(target),
+                              **_served_summary(run, dec, ref_s, timing)}
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
@@ -279,7 +280,8 @@ def add_warnings(report: dict[str, Any]) -> None:
                  f"{m.get('logit_gap', '-')} > tolerance {m.get('tolerance', '-')})")
     if report.get("near_ties"):
         w.append(f"{len(report['near_ties'])} output(s) left the greedy decode at a near tie (logit gap within "
-                 f"{report['tie_tolerance']:g} relative: {report.get('dtype', 'low precision')} rounding, not "
+                 f"{report['tie_tolerance']:g} relative: {report.get('dtype', 'low precision')}"
+                 f"{' and FP8 activation' if report.get('fp8_layers') else ''} rounding, not "
                  "a failure); identical outputs are not compared past that token")
     report["warnings"] = w
 

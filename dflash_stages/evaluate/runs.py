@@ -24,6 +24,26 @@ from dflash_model.target.spec_decode import (NGRAM_MAX_N, DecodeResult, Drafter,
 
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative logit gap under which a divergence counts as a near tie, by the target's dtype."""
+FP8_TIE_TOLERANCE = 5e-2
+"""The least tolerance for a target whose linear layers quantize their activations to e4m3
+(``FP8BlockLinear``), whatever its dtype. An e4m3 rounding step is 1/8 to 1/16 of a value, so one
+ulp of difference between a block verify and a one-token decode can round an activation the other
+way, and the flip grows through the layers: an FP8 SmolLM2 in float32 on the CPU left its greedy
+decode at logit gaps of 0.8% and 1.1% relative."""
+
+
+def fp8_layers(target: torch.nn.Module) -> int:
+    """How many of the target's linear layers are FP8 (``FP8BlockLinear``)."""
+    from dflash_model.target.fp8 import FP8BlockLinear
+
+    return sum(isinstance(m, FP8BlockLinear) for m in target.modules())
+
+
+def tie_tolerance(target: torch.nn.Module) -> float:
+    """The default near-tie tolerance for ``target``: by its dtype, and at least
+    ``FP8_TIE_TOLERANCE`` when it has FP8 linear layers."""
+    tol = TIE_TOLERANCE.get(next(target.parameters()).dtype, 1e-4)
+    return max(tol, FP8_TIE_TOLERANCE) if fp8_layers(target) else tol
 
 
 @dataclass
