@@ -20,8 +20,8 @@ its small-target recipe), sets pack to one epoch and runs the file's epochs itse
 The points train at once (``--sequential``: one after the other), so with all of them on one GPU
 each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
 first N prompts it was trained on. Prints one table (steps, anchors, drafter compute, training
-time, peak memory, served τ, n-gram τ, lossless, and τ on training prompts) and writes
-``side_by_side.json`` in ``--out``.
+time, peak memory, served τ, n-gram τ, lossless, and τ on training prompts), then where τ is
+lost (evaluate's n-gram split), and writes ``side_by_side.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def main() -> int:
                      "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
                      "eval_rc": max((served[k][0] for k in served if k[0] == name), default=None),
                      **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
-                     "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram")})
+                     "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
+                     **split_figures(rep)})
         (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
@@ -226,6 +227,22 @@ def training_prompts(base: dict[str, Any], base_dir: Path) -> str:
     source = base["stages"]["download"]["params"]["source"]
     first = source[0] if isinstance(source, list) else source
     return str((base_dir / first).resolve())
+
+
+def split_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """evaluate's n-gram split of a report: τ of DFlash and of n-gram on the cycles where n-gram
+    had a match (text it could copy) and where it had none (new text), and the share of
+    DFlash's cycles with a match. Empty for a report without the split."""
+    split = report.get("ngram_split") or {}
+    out: dict[str, Any] = {}
+    for cls, tag in (("match", "copy"), ("no_match", "new")):
+        for drafter, prefix in (("dflash", "tau"), ("ngram", "tau_ngram")):
+            part = (split.get(cls) or {}).get(drafter)
+            if part:
+                out[f"{prefix}_{tag}"] = part["tau"]
+                if drafter == "dflash" and cls == "match":
+                    out["copy_share"] = part["share"]
+    return out
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -263,6 +280,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{f(r, 'pipeline_s', '.0f'):>10} {f(r, 'peak_gib', '.1f'):>8} {f(r, 'loss', '.3f'):>6} "
               f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ngram', '.2f'):>6} "
               f"{str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} {f(r, 'tau_ngram_train', '.2f'):>12}")
+    if any(r.get("tau_copy") is not None for r in rows):
+        print(f"\nwhere τ is lost (evaluate's n-gram split): cycles where n-gram had a match (copy) or none (new)")
+        print(f"{'point':<16} {'copy share':>10} {'τ copy':>7} {'n-gram copy':>11} {'τ new':>6} {'n-gram new':>10}")
+        for r in rows:
+            print(f"{r['point']:<16} {f(r, 'copy_share', '.2f'):>10} {f(r, 'tau_copy', '.2f'):>7} "
+                  f"{f(r, 'tau_ngram_copy', '.2f'):>11} {f(r, 'tau_new', '.2f'):>6} {f(r, 'tau_ngram_new', '.2f'):>10}")
     ours = next((r for r in rows if r["trainer"] == "ours" and r.get("tau")), None)
     ref = next((r for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
     if ours and ref:

@@ -146,3 +146,17 @@ def test_training_prompts_are_the_first_download_source_of_the_quality_file(tmp_
     assert training_prompts(base, REPO / "pipelines") == str(REPO / "pipelines/data/sharegpt/train.jsonl")
     base["stages"]["download"]["params"]["source"] = ["data/sharegpt/train_later.jsonl", "data/other.jsonl"]
     assert training_prompts(base, tmp_path) == str(tmp_path / "data/sharegpt/train_later.jsonl")
+
+
+def test_split_figures_read_the_reports_ngram_split() -> None:
+    """The table's 'where τ is lost' columns, from a session-18 report (SpecForge's point): DFlash
+    1.87 and n-gram 3.34 where n-gram had a match, 1.54 and 1.00 on new text."""
+    import json
+
+    from benchmarks.side_by_side import split_figures
+
+    report = json.loads((REPO / "docs/data/quality_2026-12-02_session18/sf-3ep-b8_eval.json").read_text())
+    got = {k: round(v, 2) for k, v in split_figures(report).items()}
+    assert got == {"tau_copy": 1.87, "copy_share": 0.76, "tau_ngram_copy": 3.34, "tau_new": 1.54,
+                   "tau_ngram_new": 1.0}
+    assert split_figures({}) == {}
