@@ -281,7 +281,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ngram', '.2f'):>6} "
               f"{str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} {f(r, 'tau_ngram_train', '.2f'):>12}")
     if any(r.get("tau_copy") is not None for r in rows):
-        print(f"\nwhere τ is lost (evaluate's n-gram split): cycles where n-gram had a match (copy) or none (new)")
+        print("\nwhere τ is lost (evaluate's n-gram split): cycles where n-gram had a match (copy) or none (new)")
         print(f"{'point':<16} {'copy share':>10} {'τ copy':>7} {'n-gram copy':>11} {'τ new':>6} {'n-gram new':>10}")
         for r in rows:
             print(f"{r['point']:<16} {f(r, 'copy_share', '.2f'):>10} {f(r, 'tau_copy', '.2f'):>7} "
