@@ -11,11 +11,14 @@ KeyboardInterrupt (:class:`Stopped`), for a user who will not wait for the save.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REDELIVER_S = 0.05
+"""Delay before a signal whose exception Python dropped is sent again (``_handling``)."""
 
 
 def exit_code(signum: int) -> int:
@@ -64,13 +67,38 @@ def graceful_signals(on_first: Callable[[int], None]) -> ContextManager[None]:
 def _handling(handler: Callable[[int, object], None]) -> Iterator[None]:
     """``handler`` for SIGINT and SIGTERM while inside; the previous handlers come back on exit.
     Signal handlers can only be set from the main thread: elsewhere (a run started in a worker
-    thread) nothing changes."""
+    thread) nothing changes.
+
+    A handler runs wherever the main thread is, a weakref callback or a ``__del__`` included, and
+    Python drops what those raise (it reports it to ``sys.unraisablehook``): a :class:`Stopped`
+    raised there would be lost and the command would go on. While inside, such a :class:`Stopped`
+    is sent again as its signal, a moment later and from another thread, so that the handler runs
+    again once the main thread has left the place that dropped it (again, if need be)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    previous_hook = sys.unraisablehook
+    inside = threading.Event()
+    inside.set()
+
+    def send_again(signum: int) -> None:
+        if inside.is_set():  # not once the previous handlers are back: they may be the default action
+            signal.raise_signal(signum)
+
+    def redeliver(unraisable: "sys.UnraisableHookArgs") -> None:
+        if isinstance(unraisable.exc_value, Stopped):
+            timer = threading.Timer(REDELIVER_S, send_again, (unraisable.exc_value.signum,))
+            timer.daemon = True
+            timer.start()
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = redeliver
     try:
         yield
     finally:
+        inside.clear()
+        sys.unraisablehook = previous_hook
         for s, h in previous.items():
             signal.signal(s, h)
