@@ -346,6 +346,29 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path, target: Path) -> None:
     assert log.read_text().count("2 replicas equal") == 2
 
 
+def test_two_gloo_ranks_take_several_steps_a_row_in_step(tmp_path: Path, target: Path) -> None:
+    """``steps_per_row: 2`` on 2 gloo ranks: each rank takes 2 steps on each of its 8 rows (16
+    steps, one all-reduce each), a checkpoint is written every 4 steps, and the replicas end with
+    equal weights."""
+    run_dir = tmp_path / "run"
+    yaml_path = write(tmp_path / "p.yaml", online_pipeline(
+        run_dir, target, pack=dict(rows=16, tokens_per_row=64), train=dict(TRAIN, steps_per_row=2),
+        checkpoint=dict(every_steps=4, keep_last=10), extra="  ranks: {uses: 'debug:rank_states', after: train}\n"))
+    log = tmp_path / "torchrun.log"
+    proc = launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                   "-m", "dflash_core.cli.main", "run", "-p", PLUGIN, str(yaml_path)], log)
+    finish(proc, log, timeout=110)
+    final = latest(run_dir)
+    assert final.name == "step-0000016"
+    assert_complete(final)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
+        f"step-{n:07d}" for n in (4, 8, 12, 16)]
+    r0 = torch.load(run_dir / "rank_states" / "rank0.pt", weights_only=True)
+    r1 = torch.load(run_dir / "rank_states" / "rank1.pt", weights_only=True)
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert log.read_text().count("2 replicas equal") == 2
+
+
 # -------------------------------------------------------------- resume with nothing saved
 def test_resume_without_checkpoint_starts_from_the_beginning(tmp_path: Path, target: Path, cli
                                                              ) -> None:
