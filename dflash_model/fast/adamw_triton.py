@@ -132,11 +132,11 @@ class TritonAdamW(torch.optim.AdamW):
         optimizer's parameters, in order) takes its low-precision gradient ``grads[i]`` as it is
         (no float32 copy of it is made) and writes its update rounded into ``copies[i]``, the
         weight the model computes with. A None gradient skips its parameter."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        by_group = {id(p): group for group in self.param_groups for p in group["params"]}
-        for group in self.param_groups:
-            self._update(group, [(p, g, c) for p, g, c in zip(params, grads, copies, strict=True)
-                                 if g is not None and by_group[id(p)] is group])
+        if len(grads) != len(copies) or len(grads) != sum(len(g["params"]) for g in self.param_groups):
+            raise ValueError("step_masters: one gradient and one copy per parameter, in order")
+        pairs = iter(zip(grads, copies))
+        for group in self.param_groups:  # each takes the next len(params) pairs
+            self._update(group, [(p, g, c) for p, (g, c) in zip(group["params"], pairs) if g is not None])
 
     def _update(self, group: dict[str, Any],
                 todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:

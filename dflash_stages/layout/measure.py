@@ -205,7 +205,7 @@ def _time_drafter(train_cfg: Any, header: dict[str, Any], featured: dict[str, An
     from dflash_core import StageContext
     from dflash_stages.train.trainer import Trainer
 
-    per_step = int(train_cfg.rows_per_step)
+    per_step, steps = int(train_cfg.rows_per_step), int(train_cfg.steps_per_row)
     with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
         ctx = StageContext(stage="train", config=train_cfg, device=str(clock.dev), run_dir=work, work_dir=work)
         trainer = Trainer(train_cfg, ctx)
@@ -220,13 +220,12 @@ def _time_drafter(train_cfg: Any, header: dict[str, Any], featured: dict[str, An
         log(f"drafter warm-up step: {first:.2f} s")
         saved = trainer.save_compile_cache()
         step_s = statistics.median(clock.timed(step) for _ in range(rows))
-        row_s = step_s * train_cfg.steps_per_row  # the drafter's time on one row's features
+        row_s = step_s * steps  # the drafter's time on one row's features
         fields = dict(drafter_warmup_s=first, drafter_ms=step_s * 1e3, drafter_tok_s=per_step * tokens / row_s,
                       drafter_gib=clock.peak_gib(), compiled=bool(trainer.compiled),
                       drafter_params=sum(p.numel() for p in trainer.model.parameters()),
                       compile_cache_saved=saved)
         trainer.metrics.close()
-    steps = int(train_cfg.steps_per_row)
     log(f"drafter step: {step_s * 1e3:.1f} ms per {per_step} x {tokens:,}-token row(s) (median of {rows})"
         + (f", {steps} steps a row" if steps > 1 else ""))
     return fields
