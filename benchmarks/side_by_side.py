@@ -14,8 +14,9 @@ records (``--records``, generate's shards), through the same tokenize, pack and 
 the file's train and checkpoint stages. A reference point replaces train with ``train:specforge``
 (benchmarks/specforge_train.py: SpecForge's own draft model, loss, anchors, optimizer and schedule,
 its small-target recipe), sets pack to one epoch and runs the file's epochs itself (set them with
-``stages.train.params.epochs``). Then each final export is served with ``dflash-pipe evaluate``
-(``--num-prompts``, ``--max-new-tokens``) on the file's held-out prompts.
+``stages.train.params.epochs``). As soon as a point's training ends, its final export is served
+with ``dflash-pipe evaluate`` (``--num-prompts``, ``--max-new-tokens``) on the file's held-out
+prompts, beside the trainings still running.
 
 The points train at once (``--sequential``: one after the other), so with all of them on one GPU
 each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -96,9 +97,10 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
     return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
 
 
-def wait_all(procs: dict[Any, subprocess.Popen]) -> dict[Any, tuple[int, float]]:
+def wait_all(procs: dict[Any, subprocess.Popen],
+             on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
     """Return code and wall clock of each process, measured from now (keys: a point's name, or
-    (name, evaluation) pairs)."""
+    (name, evaluation) pairs); ``on_exit(key, returncode)`` is called as each one ends."""
     t0, done = time.time(), {}
     while len(done) < len(procs):
         for name, p in procs.items():
@@ -107,6 +109,8 @@ def wait_all(procs: dict[Any, subprocess.Popen]) -> dict[Any, tuple[int, float]]
                 label = " ".join(name) if isinstance(name, tuple) else name
                 print(f"[{time.strftime('%H:%M:%S')}] {label} exited {p.returncode} after {done[name][1]} s",
                       flush=True)
+                if on_exit:
+                    on_exit(name, p.returncode)
         time.sleep(1)
     return done
 
@@ -182,31 +186,41 @@ def main() -> int:
         points[name] = (reference, doc, pipeline_cmd(folder / "pipeline.yaml",
                                                      "benchmarks.specforge_train" if reference else None))
 
-    trained: dict[str, tuple[int, float]] = {}
-    if args.sequential:
-        for name, (_, _, cmd) in points.items():
-            trained.update(wait_all({name: run(cmd, out / name / "train.log")}))
-    else:
-        trained = wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()})
-
-    figures = {}
-    for name, (reference, doc, _) in points.items():
+    def point_figures(name: str, rc: int) -> dict[str, Any]:
+        reference, doc, _ = points[name]
         run_dir = out / name / "run"
         if reference:
-            figures[name] = reference_figures(run_dir, out / name / "export")
-        elif trained[name][0] == 0:
-            figures[name] = ours_figures(run_dir, drafter_config_of(run_dir),
-                                         int(doc["stages"]["pack"]["params"]["tokens_per_row"]),
-                                         int(doc["stages"]["train"]["params"].get("num_anchors", 512)))
-            figures[name]["peak_gib"] = train_peak(out / name / "train.log")
-        else:
-            figures[name] = {}
-    evals = {(name, kind): run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", f["export"],
-                                "--prompts", prompts, "--num-prompts", str(n), "--max-new-tokens",
-                                str(args.max_new_tokens), "--batch-size", str(args.eval_batch_size),
-                                "--out", str(out / name / kind)], out / name / f"{kind}.log")
-             for name, f in figures.items() if f.get("export") for kind, (prompts, n) in prompt_sets.items()}
-    served = wait_all(evals)
+            return reference_figures(run_dir, out / name / "export")
+        if rc != 0:
+            return {}
+        f = ours_figures(run_dir, drafter_config_of(run_dir), int(doc["stages"]["pack"]["params"]["tokens_per_row"]),
+                         int(doc["stages"]["train"]["params"].get("num_anchors", 512)))
+        return {**f, "peak_gib": train_peak(out / name / "train.log")}
+
+    def evaluations(name: str, export: str) -> dict[tuple[str, str], subprocess.Popen]:
+        return {(name, kind): run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", export,
+                                   "--prompts", prompts, "--num-prompts", str(n), "--max-new-tokens",
+                                   str(args.max_new_tokens), "--batch-size", str(args.eval_batch_size),
+                                   "--out", str(out / name / kind)], out / name / f"{kind}.log")
+                for kind, (prompts, n) in prompt_sets.items()}
+
+    # each point's evaluations start as soon as its training ends, beside the trainings still running
+    figures: dict[str, dict[str, Any]] = {}
+    trained: dict[str, tuple[int, float]] = {}
+    serving: dict[tuple[str, str], subprocess.Popen] = {}
+
+    def on_trained(name: str, rc: int) -> None:
+        figures[name] = point_figures(name, rc)
+        if figures[name].get("export"):
+            serving.update(evaluations(name, figures[name]["export"]))
+
+    if args.sequential:
+        for name, (_, _, cmd) in points.items():
+            trained.update(wait_all({name: run(cmd, out / name / "train.log")}, on_trained))
+    else:
+        trained = wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()},
+                           on_trained)
+    served = wait_all(serving)
     rows = []
     for name, f in figures.items():
         rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))

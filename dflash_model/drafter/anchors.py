@@ -76,14 +76,17 @@ def sample_anchor_shares(loss_mask: torch.Tensor, doc_lengths: Sequence[int] | t
                          doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``shares`` disjoint draws of up to ``num_anchors`` anchors each, sorted: min(num_anchors x
     shares, #candidates) drawn without replacement, in the order drawn, cut into consecutive
-    shares (the later ones short or empty when candidates run out). What ``steps_per_row``
-    training takes, one share a step; one share is :func:`sample_anchors`."""
+    shares. When the candidates run short they are spread evenly (sizes differ by at most one),
+    so that no step of ``steps_per_row`` training, which takes one share a step, is left with
+    nothing to learn while another is full. One share is :func:`sample_anchors`."""
     docs = resolve_doc_ids(loss_mask.shape[0], doc_lengths, doc_ids, loss_mask.device)
     cand = anchor_candidates(loss_mask, docs)
     n = min(int(num_anchors) * int(shares), cand.numel())
     gen_device = generator.device if generator is not None else torch.device("cpu")
     pick = cand[torch.randperm(cand.numel(), generator=generator, device=gen_device)[:n].to(cand.device)]
-    return [pick[i * num_anchors:(i + 1) * num_anchors].sort().values for i in range(shares)]
+    shares = int(shares)
+    bounds = [i * n // shares for i in range(shares + 1)]
+    return [pick[bounds[i]:bounds[i + 1]].sort().values for i in range(shares)]
 
 
 def pad_anchors(anchors: torch.Tensor, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,6 +68,8 @@ def total_norm(tensors: list[torch.Tensor], block: int = NORM_BLOCK, num_warps: 
     Deterministic: each program writes its own partial sum (no atomics), one reduction adds them.
     Each tensor's partial sums start 16-byte aligned (zeros between), so that Triton compiles the
     kernel once rather than once per alignment of its output pointer."""
+    if not tensors:
+        return torch.nn.utils.get_total_norm(tensors)
     blocks = [triton.cdiv(t.numel(), block) for t in tensors]
     slots = [4 * triton.cdiv(nb, 4) for nb in blocks]
     partial = torch.zeros(sum(slots), dtype=torch.float32, device=tensors[0].device)

@@ -135,6 +135,9 @@ def clipped_step(opt: torch.optim.Optimizer | MasterAdamW, max_norm: float | Non
     grads = (opt.gradients() if isinstance(opt, MasterAdamW)
              else [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None])
     norm = getattr(opt, "total_norm", torch.nn.utils.get_total_norm)(grads)  # TritonAdamW brings its own
+    if not grads:  # a step whose rows drew no anchors: AdamW skips every parameter; the norm is 0 on their device
+        params = opt.params if isinstance(opt, MasterAdamW) else opt.param_groups[0]["params"]
+        norm = norm.to(params[0].device)
     opt.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0) if max_norm else None
     opt.step()
     return norm

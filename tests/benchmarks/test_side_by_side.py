@@ -160,3 +160,20 @@ def test_split_figures_read_the_reports_ngram_split() -> None:
     assert got == {"tau_copy": 1.87, "copy_share": 0.76, "tau_ngram_copy": 3.34, "tau_new": 1.54,
                    "tau_ngram_new": 1.0}
     assert split_figures({}) == {}
+
+
+def test_each_process_is_handed_on_as_it_ends(capsys: pytest.CaptureFixture[str]) -> None:
+    """wait_all calls ``on_exit`` once per process, in the order they end, with its return code: a
+    point's evaluations start while slower points still train."""
+    import subprocess
+    import sys
+
+    from benchmarks.side_by_side import wait_all
+
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({delay}); sys.exit({rc})"])
+             for name, delay, rc in (("slow", 2.5, 0), ("fast", 0.0, 3))}
+    ended: list[tuple[str, int]] = []
+    done = wait_all(procs, lambda name, rc: ended.append((name, rc)))
+    assert ended == [("fast", 3), ("slow", 0)]
+    assert {k: v[0] for k, v in done.items()} == {"fast": 3, "slow": 0}
+    assert "fast exited 3" in capsys.readouterr().out

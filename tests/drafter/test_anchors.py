@@ -38,16 +38,17 @@ def test_sample_anchors_count_order_uniqueness_reproducibility():
 def test_anchor_shares_are_disjoint_draws_and_one_share_is_sample_anchors(per_share, shares):
     """Shares of ``per_share`` anchors, sorted, pairwise disjoint, drawn from the candidates; the
     first is what ``sample_anchors`` draws from the same generator state; when the candidates run
-    out (7 x 4 > 21 candidates here) the later shares are short and every candidate is drawn once."""
+    out (7 x 4 > 21 candidates here) every candidate is drawn once, spread evenly over the shares."""
     r = packed_row()
     cand = set(anchor_candidates(r["loss_mask"], doc_ids_from_lengths(r["doc_lengths"], 40)).tolist())
     got = sample_anchor_shares(r["loss_mask"], r["doc_lengths"], per_share, shares, torch.Generator().manual_seed(3))
     assert len(got) == shares and all(torch.equal(a, a.sort().values) for a in got)
     drawn = [x for a in got for x in a.tolist()]
     assert len(drawn) == len(set(drawn)) == min(per_share * shares, len(cand)) and set(drawn) <= cand
-    assert [len(a) for a in got] == [max(0, min(per_share, len(cand) - i * per_share)) for i in range(shares)]
-    assert torch.equal(got[0], sample_anchors(r["loss_mask"], r["doc_lengths"], per_share,
-                                              torch.Generator().manual_seed(3)))
+    n = min(per_share * shares, len(cand))
+    assert sorted(len(a) for a in got) == sorted([n // shares + 1] * (n % shares) + [n // shares] * (shares - n % shares))
+    first = sample_anchors(r["loss_mask"], r["doc_lengths"], len(got[0]), torch.Generator().manual_seed(3))
+    assert torch.equal(got[0], first)
 
 
 def test_labels_are_the_token_at_a_plus_k_and_never_cross_documents():

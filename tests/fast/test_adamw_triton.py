@@ -120,6 +120,22 @@ def test_total_norm_equals_get_total_norm():
     torch.testing.assert_close(kernels.total_norm([t]), t.norm())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_without_gradients_moves_nothing(dtype):
+    """A step whose rows drew no anchors (``steps_per_row`` on a row with fewer candidates than
+    steps) has no gradient at all: the norm is 0 on the weights' device and no weight moves,
+    in the Triton kernels' fused master step as in their plain one."""
+    ours = _params(dtype)
+    if dtype == torch.float32:
+        opt = kernels.TritonAdamW(ours, lr=1e-2)
+    else:
+        opt = MasterAdamW(ours, lr=1e-2, weight_decay=0.1, kernel="torch")
+        opt.inner = kernels.TritonAdamW(opt.masters, lr=1e-2, weight_decay=0.1)  # the fused path on CUDA
+    norm = clipped_step(opt, 1.0)
+    assert norm.item() == 0.0 and norm.device == ours[0].device
+    assert all(torch.equal(p, q) for p, q in zip(_params(dtype), ours))
+
+
 def test_state_interchanges_with_torch_fused_adamw():
     """A checkpoint of either optimizer resumes in the other, landing where one of them alone does."""
     a, b, alone = _params(), _params(), _params()

@@ -122,6 +122,24 @@ def test_steps_per_row_takes_k_steps_on_each_row_with_disjoint_anchors(tmp_path:
     assert weights_digest(stepped.model) == weights_digest(looped.model)
 
 
+def test_steps_per_row_spreads_a_short_rows_anchors_over_its_steps(tmp_path: Path) -> None:
+    """4 steps of up to 64 anchors on rows of 84 candidates: 21 anchors a step, every candidate
+    once, rather than 64, 20 and two steps with nothing to learn (which once stopped a GPU run:
+    the Triton norm of no gradients)."""
+    from dflash_model.drafter import FeatureBatch, anchor_candidates, doc_ids_from_lengths
+
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=64, lr=1e-2, steps_per_row=4)
+    target = tiny_qwen3()
+    row = feature_rows(target["hidden_size"])[0]
+    batch = FeatureBatch.from_row(row, torch.device("cpu"))
+    cand = anchor_candidates(batch.loss_mask, doc_ids_from_lengths(batch.doc_lengths, batch.loss_mask.shape[0]))
+    assert cand.numel() == 84
+    t = trainer(cfg, header(target, LAYERS), tmp_path)
+    shares = [t.train_step([row]).anchors[0].tolist() for _ in range(4)]
+    assert [len(a) for a in shares] == [21] * 4
+    assert sorted(a for share in shares for a in share) == cand.tolist()
+
+
 def test_steps_per_row_snapshots_between_rows_and_resumes_into_the_same_weights(tmp_path: Path) -> None:
     """A snapshot every 4 steps with 2 steps a row falls after rows 2 and 4, never inside a row;
     a trainer that loads the first one and trains on the rows after its cursor ends with the
