@@ -21,12 +21,13 @@ from dflash_model.drafter.anchors import (block_labels, build_blocks, pad_anchor
                                          to_device)
 from dflash_model.drafter.batch import FeatureBatch
 from dflash_model.drafter.config import default_gamma
+from dflash_model.drafter.fp8_head import LMHead, head_back, head_logits
 from dflash_model.fast.settings import triton_installed
 
 TARGETS = ("data", "target_argmax", "kl")
 
 
-def _hard_chunk(h: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, y: torch.Tensor
+def _hard_chunk(h: torch.Tensor, weight: LMHead, coef: torch.Tensor, y: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Σ coef·CE, draft argmax, d loss/d h) of one chunk against hard labels ``y``.
 
@@ -34,24 +35,24 @@ def _hard_chunk(h: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, y: to
     reductions (max, argmax, log-sum-exp, picked logit) and once for the gradient, instead of the
     ~10 full passes eager float32 code makes over them.
     """
-    logits = (h.to(weight.dtype) @ weight.t()).to(coef.dtype)
+    logits = head_logits(h, weight).to(coef.dtype)
     pred = logits.argmax(-1)
     lse = logits.logsumexp(-1)
     loss = (coef * (lse - logits.gather(1, y[:, None]).squeeze(1))).sum()
     onehot = torch.arange(logits.shape[1], device=y.device)[None, :] == y[:, None]
     g = ((logits - lse[:, None]).exp() - onehot.to(logits.dtype)) * coef[:, None]
-    return loss, pred, (g.to(weight.dtype) @ weight).to(h.dtype)
+    return loss, pred, head_back(g, weight).to(h.dtype)
 
 
-def _soft_chunk(h: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, soft_h: torch.Tensor
+def _soft_chunk(h: torch.Tensor, weight: LMHead, coef: torch.Tensor, soft_h: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Σ coef·KL(p_target || p_draft), draft argmax, target argmax, d loss/d h) of one chunk."""
-    logp = (h.to(weight.dtype) @ weight.t()).to(coef.dtype).log_softmax(-1)
-    tlogp = (soft_h.to(weight.dtype) @ weight.t()).to(coef.dtype).log_softmax(-1)
+    logp = head_logits(h, weight).to(coef.dtype).log_softmax(-1)
+    tlogp = head_logits(soft_h, weight).to(coef.dtype).log_softmax(-1)
     tp = tlogp.exp()
     loss = (coef * (torch.special.xlogy(tp, tp).sum(-1) - (tp * logp).sum(-1))).sum()
     g = (logp.exp() - tp) * coef[:, None]
-    return loss, logp.argmax(-1), tlogp.argmax(-1), (g.to(weight.dtype) @ weight).to(h.dtype)
+    return loss, logp.argmax(-1), tlogp.argmax(-1), head_back(g, weight).to(h.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +83,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor,
+    def forward(ctx: Any, h: torch.Tensor, weight: LMHead, coef: torch.Tensor,
                 labels: torch.Tensor | None, soft_h: torch.Tensor | None, chunk_rows: int,
                 compile: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         R = h.shape[0]
@@ -131,9 +132,9 @@ def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chunked_argmax(h: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+def chunked_argmax(h: torch.Tensor, weight: LMHead, chunk_rows: int) -> torch.Tensor:
     """argmax_v (h @ weight.T) row by row chunk, without holding all logits."""
-    out = [(h[s:s + chunk_rows].to(weight.dtype) @ weight.t()).argmax(-1) for s in range(0, h.shape[0], chunk_rows)]
+    out = [head_logits(h[s:s + chunk_rows], weight).argmax(-1) for s in range(0, h.shape[0], chunk_rows)]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=h.device)
 
 
@@ -196,13 +197,14 @@ def _harmonic_mean(block: torch.Tensor, valid: torch.Tensor | None) -> torch.Ten
 
 
 def drafter_loss(model: torch.nn.Module, batch: FeatureBatch, anchors: torch.Tensor, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, *, gamma: float | None = None, target: str = "data",
+                 lm_head_weight: LMHead, *, gamma: float | None = None, target: str = "data",
                  chunk_rows: int = 4096, attn_backend: str | None = None, pad_anchors_to: int | None = None,
                  compile_loss: bool = False) -> LossOutput:
     """Loss and metrics for one packed row.
 
     ``batch``: the row (``FeatureBatch``); anchors [N] (``sample_anchors``); embed_weight /
-    lm_head_weight [V, H] are the target's (frozen). gamma defaults to ``default_gamma(B)``;
+    lm_head_weight [V, H] are the target's (frozen; the head may be its ``FP8LMHead``, whose
+    products then stand for every LM-head product of the loss). gamma defaults to ``default_gamma(B)``;
     target in TARGETS ("target_argmax"/"kl" need the batch's ``target_hidden``).
     ``pad_anchors_to``: add padding blocks (they see only themselves, carry no loss) up to this
     many, so every step has the same shapes and compiled code never recompiles.
@@ -233,7 +235,8 @@ def drafter_loss(model: torch.nn.Module, batch: FeatureBatch, anchors: torch.Ten
     flat_sup = sup.reshape(-1)
     w = slot_weights(B, default_gamma(B) if gamma is None else gamma, dev).expand(N, B - 1).reshape(-1) * flat_sup
     coef = (w / w.sum().clamp_min(torch.finfo(w.dtype).tiny)).to(work)
-    lm_head_weight = lm_head_weight.detach()
+    if isinstance(lm_head_weight, torch.Tensor):
+        lm_head_weight = lm_head_weight.detach()
     soft_h = None
     if target == "data":
         y = labels.reshape(-1)

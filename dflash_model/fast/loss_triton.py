@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash_model.drafter.fp8_head import LMHead, head_back, head_logits
+
 BLOCK = 4096  # logits per program (the fastest measured with 4 warps; benchmarks/loss_chunk.py)
 NUM_WARPS = 4
 
@@ -87,9 +89,9 @@ def softmax_grad_(logits: torch.Tensor, y: torch.Tensor, coef: torch.Tensor, blo
     return loss, pred
 
 
-def hard_chunk(h: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, y: torch.Tensor,
+def hard_chunk(h: torch.Tensor, weight: LMHead, coef: torch.Tensor, y: torch.Tensor,
                block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``loss._hard_chunk``: (Σ coef·CE, draft argmax, d loss/d h) of rows ``h`` against labels ``y``."""
-    logits = h.to(weight.dtype) @ weight.t()
+    logits = head_logits(h, weight)
     loss, pred = softmax_grad_(logits, y, coef, block, num_warps)
-    return loss.sum().to(coef.dtype), pred, (logits @ weight).to(h.dtype)
+    return loss.sum().to(coef.dtype), pred, head_back(logits, weight).to(h.dtype)

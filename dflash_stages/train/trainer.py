@@ -22,6 +22,7 @@ from dflash_core.facts import tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
 from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchor_shares
+from dflash_model.drafter.fp8_head import FP8LMHead
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
 from dflash_model.fast.optim import clipped_step, drafter_optimizer
@@ -98,6 +99,8 @@ class Trainer:
         # frozen verifier weights: moved once, shared (tied) when the target ties them
         self.embed = embed.detach().to(self.device, self.dtype)
         self.head = self.embed if tied(embed, head) else head.detach().to(self.device, self.dtype)
+        if cfg.lm_head_dtype == "fp8":  # the loss's products only: embed stays as it is
+            self.head = FP8LMHead(self.head)
         if self.distributed:
             self._init_distributed()
         # after the replicas' weights are made equal: master weights are copied from them

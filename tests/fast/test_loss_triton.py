@@ -55,6 +55,20 @@ def test_hard_chunk_bf16():
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=0.02, atol=0.02 * ref_grad.abs().max().item())
 
 
+def test_hard_chunk_through_the_fp8_head_equals_plain_ops():
+    """``lm_head_dtype: fp8``: the kernels take the FP8 head's logits and hand their gradient to
+    its second product, as the plain chunk does (V and H padded to multiples of 16)."""
+    from dflash_model.drafter.fp8_head import FP8LMHead
+
+    h, weight, coef, y = _inputs()
+    head = FP8LMHead(torch.cat([weight, weight[:8]]))  # 1,008 rows: a multiple of 16
+    loss, pred, grad = loss_triton.hard_chunk(h, head, coef, y, block=BLOCK)
+    ref_loss, ref_pred, ref_grad = loss_mod._hard_chunk(h, head, coef, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pred, ref_pred)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_chunk_fn_picks_the_kernels_for_hard_labels_on_cuda_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert loss_mod.chunk_fn(loss_mod._hard_chunk, cuda, True) is loss_triton.hard_chunk

@@ -1,0 +1,101 @@
+"""The frozen LM head in FP8 for the loss's two products (``lm_head_dtype: fp8``).
+
+Why: at the Qwen3.6-27B drafter shape the loss's two LM-head products (logits = h @ W.T, then
+d loss/d h = g @ W, with V = 248,320) are about a third of a training step's FLOPs, and FP8 tensor
+cores run such products close to twice as fast as bf16 ones (docs/fp8_target.md). The head is
+frozen, so it is quantized once, in two layouts: one scale per vocabulary row for the logits, one
+per hidden column for the gradient, each the axis ``torch._scaled_mm``'s row-wise scaling takes
+for its second operand. The first operand (h, or g) is quantized row by row as it comes.
+
+Every value is e4m3 with scale amax / 448, as the FP8 target's layers (``target.fp8``). The
+products run through ``torch._scaled_mm`` on every device (its CPU kernel is what the tests run);
+``reference`` gives the same math in float64 from the dequantized operands.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+ALIGN = 16  # _scaled_mm wants every dimension a multiple of 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scale [M, 1]): each row divided by amax / 448; an all-zero row
+    (a padding row of the loss, coefficient 0) keeps scale 1 and stays zero."""
+    amax = x.abs().amax(-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@functools.cache
+def _compiled_quantize_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    return torch.compile(quantize_rows, dynamic=False)
+
+
+def _quantize_operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of a product's first operand: on CUDA one fused kernel (read once for
+    the row maxima, once for the cast) rather than eager ops that make a float32 copy of it, which
+    for a [3,840, 248,320] gradient chunk is 3.8 GB."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_quantize_rows()(x)
+    return quantize_rows(x)
+
+
+class FP8LMHead:
+    """A frozen LM head ``weight`` [V, H] as two e4m3 copies with their scales.
+
+    ``logits(h)`` [R, H] -> [R, V] and ``back(g)`` [R, V] -> [R, H] stand for ``h @ W.T`` and
+    ``g @ W`` in the loss, in ``dtype`` (the weight's). ``shape`` and ``dtype`` are the float
+    weight's, so the loss reads them as it reads a weight tensor's."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        V, H = weight.shape
+        if V % ALIGN or H % ALIGN:
+            raise ValueError(f"an FP8 LM head needs its vocabulary ({V}) and hidden size ({H}) to be multiples "
+                             f"of {ALIGN}; use lm_head_dtype: model")
+        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+        w = weight.detach()
+        self.by_row, row_scale = quantize_rows(w)                # [V, H], one scale per vocabulary row
+        self.row_scale = row_scale.t().contiguous()              # [1, V]
+        by_col, col_scale = quantize_rows(w.t())                 # [H, V], one scale per hidden column
+        self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # [1, H]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._product(h, self.by_row, self.row_scale)
+
+    def back(self, g: torch.Tensor) -> torch.Tensor:
+        return self._product(g, self.by_col, self.col_scale)
+
+    def _product(self, a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+        """a [M, K] @ b.T with b [N, K] e4m3 and b_scale [1, N]; rows padded to a multiple of 16
+        with zeros (each row is quantized on its own: padding changes no other row)."""
+        m = a.shape[0]
+        pad = -m % ALIGN
+        q, a_scale = _quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
+        out = torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=self.dtype)
+        return out[:m] if pad else out
+
+    def reference(self, a: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """``logits(a)`` (or ``back(a)``) in float64 from the dequantized operands: what the FP8
+        product computes, up to its accumulation order and the rounding of its output."""
+        b, b_scale = (self.by_col, self.col_scale) if back else (self.by_row, self.row_scale)
+        q, a_scale = quantize_rows(a)
+        return (q.double() * a_scale.double()) @ (b.double() * b_scale.double().t()).t()
+
+
+LMHead = torch.Tensor | FP8LMHead
+
+
+def head_logits(h: torch.Tensor, head: LMHead) -> torch.Tensor:
+    """h @ W.T of the loss: in the head's dtype, or through its FP8 copy."""
+    return head.logits(h) if isinstance(head, FP8LMHead) else h.to(head.dtype) @ head.t()
+
+
+def head_back(g: torch.Tensor, head: LMHead) -> torch.Tensor:
+    """g @ W of the loss's gradient: in the head's dtype, or through its FP8 copy."""
+    return head.back(g) if isinstance(head, FP8LMHead) else g.to(head.dtype) @ head

@@ -1,0 +1,98 @@
+"""The FP8 LM head of the loss (``lm_head_dtype: fp8``): its products equal the math of their
+dequantized operands, the loss and gradient it gives stay near the float head's, and the
+trainer takes it. Runs ``torch._scaled_mm``'s CPU kernel; the H200 timing is
+benchmarks/train_step.py --lm-head fp8."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_model.drafter.fp8_head import FP8, FP8_MAX, FP8LMHead, quantize_rows
+from dflash_model.drafter.loss import ChunkedLMHeadLoss
+from dflash_stages.train.config import TrainConfig
+from dflash_stages.train.trainer import weights_digest
+from tests.stages.test_drafter_init import header, tiny_qwen3, trainer
+from tests.stages.test_train_step import LAYERS, feature_rows
+
+
+def head_weight(V: int = 96, H: int = 48, seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_rows_are_scaled_to_the_e4m3_range_and_a_zero_row_stays_zero() -> None:
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    x[2] = 0
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8 and scale.shape == (5, 1)
+    assert torch.equal(q[2].float(), torch.zeros(32)) and scale[2].item() == 1.0
+    top = q.float().abs().amax(-1)
+    assert torch.equal(top[[0, 1, 3, 4]], torch.full((4,), FP8_MAX))  # each row's largest value lands on 448
+    assert torch.allclose(q.float() * scale, x, rtol=0.07, atol=0)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("rows", [16, 21])  # 21: padded to 32 rows inside, the pad cut off
+def test_both_products_are_the_math_of_their_dequantized_operands(rows: int) -> None:
+    W = head_weight()
+    head = FP8LMHead(W)
+    h = torch.randn(rows, 48, generator=torch.Generator().manual_seed(2))
+    g = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3))
+    for got, want in ((head.logits(h), head.reference(h)), (head.back(g), head.reference(g, back=True))):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # and near the float products, within FP8's rounding
+    assert ((head.logits(h) - h @ W.t()).norm() / (h @ W.t()).norm()).item() < 0.06
+    assert ((head.back(g) - g @ W).norm() / (g @ W).norm()).item() < 0.06
+
+
+def test_a_head_off_the_16_grid_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FP8LMHead(head_weight(V=90))
+
+
+def test_the_loss_through_the_fp8_head_stays_near_the_float_one() -> None:
+    """Same rows, labels and coefficients: the FP8 head's loss within 1% and its gradient within
+    6% (relative norm) of the float head's; every row's argmax that is clear by a margin agrees."""
+    W = head_weight(V=256, H=64)
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 256, (40,), generator=gen)
+    coef = torch.rand(40, generator=gen)
+    coef = coef / coef.sum()
+    outs = []
+    for head in (W, FP8LMHead(W)):
+        hh = h.detach().clone().requires_grad_(True)
+        loss, pred, _ = ChunkedLMHeadLoss.apply(hh, head, coef, y, None, 16, False)
+        loss.backward()
+        outs.append((loss.detach(), pred, hh.grad))
+    (l_ref, p_ref, g_ref), (l_fp8, p_fp8, g_fp8) = outs
+    assert abs(l_fp8 - l_ref).item() / l_ref.item() < 0.01
+    assert ((g_fp8 - g_ref).norm() / g_ref.norm()).item() < 0.06
+    logits = h.detach() @ W.t()
+    top2 = logits.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * logits.std()
+    assert clear.sum() > 10 and torch.equal(p_fp8[clear], p_ref[clear])
+
+
+def test_the_trainer_steps_through_the_fp8_head(tmp_path: Path) -> None:
+    """``lm_head_dtype: fp8``: the trainer's head is the FP8 copy, it trains, and its weights move
+    otherwise than the float head's (the products differ), from the same start."""
+    target = dict(tiny_qwen3(), vocab_size=512)  # FP8 products want multiples of 16
+    rows = feature_rows(target["hidden_size"])
+    digests = {}
+    for kind in ("model", "fp8"):
+        cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, lm_head_dtype=kind)
+        t = trainer(cfg, header(target, LAYERS), tmp_path / kind)
+        assert isinstance(t.head, FP8LMHead) == (kind == "fp8")
+        losses = [float(t.train_step([row]).row_stats[0]["loss"]) for row in rows]
+        assert all(torch.isfinite(torch.tensor(losses)))
+        digests[kind] = weights_digest(t.model)
+    assert digests["model"] != digests["fp8"]
+
+
+def test_train_config_lm_head_dtype() -> None:
+    assert TrainConfig().lm_head_dtype == "model"
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        TrainConfig(lm_head_dtype="int8")
