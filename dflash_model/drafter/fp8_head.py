@@ -7,8 +7,8 @@ frozen, so it is quantized once, in two layouts: one scale per vocabulary row fo
 per hidden column for the gradient, each the axis ``torch._scaled_mm``'s row-wise scaling takes
 for its second operand. The first operand (h, or g) is quantized row by row as it comes.
 
-Every value is e4m3 with scale amax / 448, as the FP8 target's layers (``target.fp8``). The
-products run through ``torch._scaled_mm`` on every device (its CPU kernel is what the tests run);
+The head and h are e4m3 with scale amax / 448, as in the FP8 target's layers (``target.fp8``);
+the gradient g is e5m2 (``FP8LMHead`` says why). The products run through ``torch._scaled_mm`` on every device (its CPU kernel is what the tests run);
 ``reference`` gives the same math in float64 from the dequantized operands.
 """
 
@@ -21,29 +21,31 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+GRAD8 = torch.float8_e5m2  # the gradient operand: its range keeps the small probabilities (see FP8LMHead)
 ALIGN = 16  # _scaled_mm wants every dimension a multiple of 16
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], float32 scale [M, 1]): each row divided by amax / 448; an all-zero row
-    (a padding row of the loss, coefficient 0) keeps scale 1 and stays zero."""
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``dtype`` [M, K], float32 scale [M, 1]): each row divided by amax / (the format's largest
+    value); an all-zero row (a padding row of the loss, coefficient 0) keeps scale 1 and stays zero."""
+    top = torch.finfo(dtype).max
     amax = x.abs().amax(-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 
 @functools.cache
-def _compiled_quantize_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _compiled_quantize_rows() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return torch.compile(quantize_rows, dynamic=False)
 
 
-def _quantize_operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_operand(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` of a product's first operand: on CUDA one fused kernel (read once for
     the row maxima, once for the cast) rather than eager ops that make a float32 copy of it, which
     for a [3,840, 248,320] gradient chunk is 3.8 GB."""
     if x.is_cuda and not torch.compiler.is_compiling():
-        return _compiled_quantize_rows()(x)
-    return quantize_rows(x)
+        return _compiled_quantize_rows()(x, dtype)
+    return quantize_rows(x, dtype)
 
 
 class FP8LMHead:
@@ -51,7 +53,12 @@ class FP8LMHead:
 
     ``logits(h)`` [R, H] -> [R, V] and ``back(g)`` [R, V] -> [R, H] stand for ``h @ W.T`` and
     ``g @ W`` in the loss, in ``dtype`` (the weight's). ``shape`` and ``dtype`` are the float
-    weight's, so the loss reads them as it reads a weight tensor's."""
+    weight's, so the loss reads them as it reads a weight tensor's.
+
+    h is quantized to e4m3, g = coef (softmax - onehot) to e5m2: an untrained drafter's softmax
+    over 248,320 tokens puts ~4e-6 on each; at a row scale of amax / 448 that is in e4m3's
+    subnormals, which round it by ~15% alike for every token or flush it to zero, while e5m2 holds
+    normal numbers down to ~1e-9 of the row's largest value."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         V, H = weight.shape
@@ -66,17 +73,18 @@ class FP8LMHead:
         self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # [1, H]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._product(h, self.by_row, self.row_scale)
+        return self._product(h, FP8, self.by_row, self.row_scale)
 
     def back(self, g: torch.Tensor) -> torch.Tensor:
-        return self._product(g, self.by_col, self.col_scale)
+        return self._product(g, GRAD8, self.by_col, self.col_scale)
 
-    def _product(self, a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    def _product(self, a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor
+                 ) -> torch.Tensor:
         """a [M, K] @ b.T with b [N, K] e4m3 and b_scale [1, N]; rows padded to a multiple of 16
         with zeros (each row is quantized on its own: padding changes no other row)."""
         m = a.shape[0]
         pad = -m % ALIGN
-        q, a_scale = _quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
+        q, a_scale = _quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a, a_dtype)
         out = torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=self.dtype)
         return out[:m] if pad else out
 
@@ -84,7 +92,7 @@ class FP8LMHead:
         """``logits(a)`` (or ``back(a)``) in float64 from the dequantized operands: what the FP8
         product computes, up to its accumulation order and the rounding of its output."""
         b, b_scale = (self.by_col, self.col_scale) if back else (self.by_row, self.row_scale)
-        q, a_scale = quantize_rows(a)
+        q, a_scale = quantize_rows(a, GRAD8 if back else FP8)
         return (q.double() * a_scale.double()) @ (b.double() * b_scale.double().t()).t()
 
 

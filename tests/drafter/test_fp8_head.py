@@ -44,7 +44,7 @@ def test_both_products_are_the_math_of_their_dequantized_operands(rows: int) -> 
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     # and near the float products, within FP8's rounding
     assert ((head.logits(h) - h @ W.t()).norm() / (h @ W.t()).norm()).item() < 0.06
-    assert ((head.back(g) - g @ W).norm() / (g @ W).norm()).item() < 0.06
+    assert ((head.back(g) - g @ W).norm() / (g @ W).norm()).item() < 0.10  # g in e5m2: 2 mantissa bits
 
 
 def test_a_head_off_the_16_grid_is_refused() -> None:
@@ -54,7 +54,8 @@ def test_a_head_off_the_16_grid_is_refused() -> None:
 
 def test_the_loss_through_the_fp8_head_stays_near_the_float_one() -> None:
     """Same rows, labels and coefficients: the FP8 head's loss within 1% and its gradient within
-    6% (relative norm) of the float head's; every row's argmax that is clear by a margin agrees."""
+    10% (relative norm; the gradient goes through e5m2) of the float head's; every row's argmax
+    that is clear by a margin agrees."""
     W = head_weight(V=256, H=64)
     gen = torch.Generator().manual_seed(4)
     h = torch.randn(40, 64, generator=gen, requires_grad=True)
@@ -69,7 +70,7 @@ def test_the_loss_through_the_fp8_head_stays_near_the_float_one() -> None:
         outs.append((loss.detach(), pred, hh.grad))
     (l_ref, p_ref, g_ref), (l_fp8, p_fp8, g_fp8) = outs
     assert abs(l_fp8 - l_ref).item() / l_ref.item() < 0.01
-    assert ((g_fp8 - g_ref).norm() / g_ref.norm()).item() < 0.06
+    assert ((g_fp8 - g_ref).norm() / g_ref.norm()).item() < 0.10
     logits = h.detach() @ W.t()
     top2 = logits.topk(2).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1 * logits.std()
@@ -96,3 +97,26 @@ def test_train_config_lm_head_dtype() -> None:
     assert TrainConfig().lm_head_dtype == "model"
     with pytest.raises(ValueError, match="lm_head_dtype"):
         TrainConfig(lm_head_dtype="int8")
+
+
+def test_the_gradient_keeps_the_small_probabilities_of_a_large_vocabulary() -> None:
+    """An untrained drafter spreads its softmax over the whole vocabulary: at 262,144 tokens each
+    probability is 3.8e-6, in e4m3's subnormals at a row scale of amax / 448, where all of them
+    round up alike by 15%. The gradient operand is e5m2, whose normal range holds them: the
+    gradient through the FP8 head stays within 15% of the float one (60% in e4m3: the rows share
+    a direction, so the softmax part nearly cancels the label's, and its error is what remains)."""
+    V, H = 262_144, 16
+    shared = torch.randn(H, generator=torch.Generator().manual_seed(7))
+    W = (shared + 0.2 * head_weight(V=V, H=H, seed=5) / 0.05) * 0.01  # rows share a direction: the softmax
+    # part of the gradient, Σ p_v W_v, is then as large as the label's part, and cancels most of it
+    gen = torch.Generator().manual_seed(6)
+    h = torch.randn(16, H, generator=gen) * 0.01  # logits near 0: the softmax near uniform
+    y = torch.randint(0, V, (16,), generator=gen)
+    coef = torch.full((16,), 1 / 16)
+    grads = []
+    for head in (W, FP8LMHead(W)):
+        hh = h.clone().requires_grad_(True)
+        ChunkedLMHeadLoss.apply(hh, head, coef, y, None, 16, False)[0].backward()
+        grads.append(hh.grad)
+    ref, fp8 = grads
+    assert ((fp8 - ref).norm() / ref.norm()).item() < 0.15
