@@ -208,29 +208,44 @@ def main() -> int:
     figures: dict[str, dict[str, Any]] = {}
     trained: dict[str, tuple[int, float]] = {}
     serving: dict[tuple[str, str], subprocess.Popen] = {}
+    served: dict[tuple[str, str], int] = {}
+
+    def rows_now() -> list[dict[str, Any]]:
+        """A row per point trained so far, with the figures of the evaluations ended so far."""
+        rows = []
+        for name, f in figures.items():
+            rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
+            rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
+                         "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
+                         "eval_rc": max((rc for k, rc in served.items() if k[0] == name), default=None),
+                         **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
+                         "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
+                         **split_figures(rep)})
+        return rows
+
+    def write_rows() -> None:
+        """side_by_side.json as it stands: a run cut short (a device's time limit) keeps what ended."""
+        (out / "side_by_side.json").write_text(json.dumps(rows_now(), indent=1))
 
     def on_trained(name: str, rc: int) -> None:
+        trained[name] = (rc, None)  # the wall clock follows when every training has ended
         figures[name] = point_figures(name, rc)
         if figures[name].get("export"):
             serving.update(evaluations(name, figures[name]["export"]))
+        write_rows()
+
+    def on_served(key: tuple[str, str], rc: int) -> None:
+        served[key] = rc
+        write_rows()
 
     if args.sequential:
         for name, (_, _, cmd) in points.items():
             trained.update(wait_all({name: run(cmd, out / name / "train.log")}, on_trained))
     else:
-        trained = wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()},
-                           on_trained)
-    served = wait_all(serving)
-    rows = []
-    for name, f in figures.items():
-        rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
-        rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
-                     "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
-                     "eval_rc": max((served[k][0] for k in served if k[0] == name), default=None),
-                     **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
-                     "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
-                     **split_figures(rep)})
-        (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
+        trained.update(wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()},
+                                on_trained))
+    wait_all(serving, on_served)
+    rows = rows_now()
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
 
