@@ -659,8 +659,9 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
-    print(f"\n--shape {args.shape}, LM-head products in {args.lm_head}; step ms: median of steps timed alone (synced each); steady: steps back to "
-          "back, as the trainer runs (tokens/s, TFLOP/s and MFU of those); loss chunks: LM-head chunks x rows")
+    print(f"\n--shape {args.shape}, LM-head products in {args.lm_head}; step ms: median of steps timed alone "
+          "(synced each); steady: steps back to back, as the trainer runs (tokens/s, TFLOP/s and MFU of those); "
+          "loss chunks: LM-head chunks x rows")
     print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'loss chunks':>11} {'step ms':>9} {'steady ms':>9} "
           f"{'tokens/s':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'SM MHz':>7}")
     for r in results:

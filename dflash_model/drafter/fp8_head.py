@@ -8,8 +8,9 @@ per hidden column for the gradient, each the axis ``torch._scaled_mm``'s row-wis
 for its second operand. The first operand (h, or g) is quantized row by row as it comes.
 
 The head and h are e4m3 with scale amax / 448, as in the FP8 target's layers (``target.fp8``);
-the gradient g is e5m2 (``FP8LMHead`` says why). The products run through ``torch._scaled_mm`` on every device (its CPU kernel is what the tests run);
-``reference`` gives the same math in float64 from the dequantized operands.
+the gradient g is e5m2 (``FP8LMHead`` says why). The products run through ``torch._scaled_mm`` on
+every device (its CPU kernel is what the tests run); ``reference`` gives the same math in float64
+from the dequantized operands.
 """
 
 from __future__ import annotations

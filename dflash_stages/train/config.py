@@ -22,6 +22,7 @@ from dflash_model.fast.settings import AttnBackend, CompileSetting, DtypeName, c
 AdamWKernel = Literal["auto", "triton", "torch"]
 ADAMW_KERNELS = get_args(AdamWKernel)
 LossTarget = Literal["data", "target_argmax", "kl"]
+LMHeadDtype = Literal["model", "fp8"]
 FlexTile = Literal["auto", 16, 32, 64, 128]
 
 
@@ -64,7 +65,7 @@ class TrainConfig:
         "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
                 "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
     dtype: DtypeName = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
-    lm_head_dtype: Literal["model", "fp8"] = field(default="model", metadata={
+    lm_head_dtype: LMHeadDtype = field(default="model", metadata={
         "help": "the loss's LM-head products: model = in the drafter's dtype; fp8 = through an e4m3 copy of the "
                 "frozen head (row-wise scales, torch._scaled_mm; fast on FP8 tensor cores; vocabulary and hidden "
                 "size must be multiples of 16). Its effect on served tau is not measured yet (docs/fp8_target.md)"})
@@ -119,7 +120,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
             self.drafter_attention = DrafterAttention(**self.drafter_attention)
-        if self.lm_head_dtype not in ("model", "fp8"):
+        if self.lm_head_dtype not in get_args(LMHeadDtype):
             raise ValueError(f"lm_head_dtype must be model or fp8, got {self.lm_head_dtype!r}")
         if self.loss_target not in get_args(LossTarget):
             raise ValueError("loss_target must be data, target_argmax or kl")

@@ -46,7 +46,8 @@ def test_anchor_shares_are_disjoint_draws_and_one_share_is_sample_anchors(per_sh
     drawn = [x for a in got for x in a.tolist()]
     assert len(drawn) == len(set(drawn)) == min(per_share * shares, len(cand)) and set(drawn) <= cand
     n = min(per_share * shares, len(cand))
-    assert sorted(len(a) for a in got) == sorted([n // shares + 1] * (n % shares) + [n // shares] * (shares - n % shares))
+    sizes = [n // shares + 1] * (n % shares) + [n // shares] * (shares - n % shares)
+    assert sorted(len(a) for a in got) == sorted(sizes)
     first = sample_anchors(r["loss_mask"], r["doc_lengths"], len(got[0]), torch.Generator().manual_seed(3))
     assert torch.equal(got[0], first)
 
