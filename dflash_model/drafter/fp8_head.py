@@ -28,11 +28,16 @@ ALIGN = 16  # _scaled_mm wants every dimension a multiple of 16
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """(``dtype`` [M, K], float32 scale [M, 1]): each row divided by amax / (the format's largest
-    value); an all-zero row (a padding row of the loss, coefficient 0) keeps scale 1 and stays zero."""
+    value); an all-zero row (a padding row of the loss, coefficient 0) keeps scale 1 and stays zero.
+
+    Both come back contiguous (row-major) whatever the layout of ``x``: an elementwise op keeps a
+    transposed input's layout, and cuBLASLt's FP8 product on Hopper takes its first operand
+    row-major and its second column-major only (``FP8LMHead._product``). The cast writes the
+    row-major copy itself, so a transposed or strided ``x`` costs no extra copy of the fp8 tensor."""
     top = torch.finfo(dtype).max
     amax = x.abs().amax(-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax)).contiguous()
+    return (x.float() / scale).clamp(-top, top).to(dtype, memory_format=torch.contiguous_format), scale
 
 
 @functools.cache
@@ -68,10 +73,11 @@ class FP8LMHead:
                              f"of {ALIGN}; use lm_head_dtype: model")
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
         w = weight.detach()
+        # each copy [N, K] row-major, so that its .t() is the column-major second operand cuBLASLt wants
         self.by_row, row_scale = quantize_rows(w)                # [V, H], one scale per vocabulary row
         self.row_scale = row_scale.t().contiguous()              # [1, V]
-        by_col, col_scale = quantize_rows(w.t())                 # [H, V], one scale per hidden column
-        self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # [1, H]
+        by_col, col_scale = quantize_rows(w.t())                 # [H, V] (row-major: quantize_rows), one
+        self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # scale per hidden column; [1, H]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._product(h, FP8, self.by_row, self.row_scale)
@@ -82,7 +88,13 @@ class FP8LMHead:
     def _product(self, a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor
                  ) -> torch.Tensor:
         """a [M, K] @ b.T with b [N, K] e4m3 and b_scale [1, N]; rows padded to a multiple of 16
-        with zeros (each row is quantized on its own: padding changes no other row)."""
+        with zeros (each row is quantized on its own: padding changes no other row).
+
+        What cuBLASLt's FP8 product takes on Hopper (torch's CUDA ``_scaled_mm`` refuses anything
+        else; its CPU kernel takes any layout): the first operand row-major, the second column-major
+        (here ``b.t()`` of the row-major ``b``), row-wise scales float32 [M, 1] and [1, N], both
+        contiguous, and never e5m2 x e5m2. ``a`` may be any view (the loss's gradient chunk):
+        :func:`quantize_rows` writes its fp8 copy row-major."""
         m = a.shape[0]
         pad = -m % ALIGN
         q, a_scale = _quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a, a_dtype)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_model.drafter.fp8_head import FP8, FP8_MAX, FP8LMHead, quantize_rows
+from dflash_model.drafter.fp8_head import FP8, FP8_MAX, GRAD8, FP8LMHead, head_back, head_logits, quantize_rows
 from dflash_model.drafter.loss import ChunkedLMHeadLoss
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.trainer import weights_digest
@@ -120,3 +120,74 @@ def test_the_gradient_keeps_the_small_probabilities_of_a_large_vocabulary() -> N
         grads.append(hh.grad)
     ref, fp8 = grads
     assert ((fp8 - ref).norm() / ref.norm()).item() < 0.15
+
+
+def cublaslt_scaled_mm(real):
+    """``torch._scaled_mm`` that first asserts what torch's CUDA build takes on Hopper with row-wise
+    scales (its CPU kernel takes any layout, so these tests would pass an H200 failure otherwise):
+    ``a`` row-major and contiguous, ``b`` column-major (``b.t()`` contiguous), every dimension a
+    multiple of 16, float32 scales [M, 1] and [1, N], contiguous, and a dtype pair both of its
+    row-wise paths take (cuBLASLt: never e5m2 x e5m2; the CUTLASS kernel: ``b`` e4m3)."""
+    calls = []
+
+    def checked(a, b, *, scale_a, scale_b, out_dtype=None, **kw):
+        (M, K), (K2, N) = a.shape, b.shape
+        assert K == K2 and M % 16 == 0 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
+        assert a.stride(1) == 1 and a.is_contiguous(), f"a must be row-major: stride {a.stride()}"
+        assert b.stride(0) == 1 and b.t().is_contiguous(), f"b must be column-major: stride {b.stride()}"
+        for scale, shape in ((scale_a, (M, 1)), (scale_b, (1, N))):
+            assert scale.dtype == torch.float32 and scale.shape == shape and scale.is_contiguous(), (
+                scale.dtype, scale.shape, scale.stride())
+        assert (a.dtype, b.dtype) in ((FP8, FP8), (GRAD8, FP8)), (a.dtype, b.dtype)
+        assert out_dtype in (torch.bfloat16, torch.float16, torch.float32), out_dtype
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kw)
+
+    return checked, calls
+
+
+def strided_views(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``x`` [R, C] as the loss may hand it over: contiguous, a row-strided slice of a wider
+    buffer (as a chunk of padded logits), and a transposed copy seen through ``.t()``."""
+    wide = torch.zeros(x.shape[0], x.shape[1] + 16, dtype=x.dtype)
+    wide[:, :x.shape[1]] = x
+    return {"contiguous": x, "row-strided": wide[:, :x.shape[1]], "transposed": x.t().contiguous().t()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [16, 21])
+def test_both_products_hand_cublaslt_the_layouts_it_takes(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                          dtype: torch.dtype) -> None:
+    """The H200 failure (``Only multiplication of row-major and column-major matrices is supported
+    by cuBLASLt`` in ``back``): the head's gradient copy was quantized from ``W.t()`` and kept its
+    layout, so the second operand of ``g @ W`` was row-major. Both products, from any view of
+    their first operand, now pass cuBLASLt's rules, and give what the contiguous operand gives."""
+    checked, calls = cublaslt_scaled_mm(torch._scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    W = head_weight().to(dtype)
+    head = FP8LMHead(W)
+    assert head.by_row.is_contiguous() and head.by_col.is_contiguous()
+    h = torch.randn(rows, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    g = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for name, view in strided_views(h).items():
+        torch.testing.assert_close(head_logits(view, head), head_logits(h, head), rtol=0, atol=0, msg=name)
+    for name, view in strided_views(g).items():
+        torch.testing.assert_close(head_back(view, head), head_back(g, head), rtol=0, atol=0, msg=name)
+    assert calls.count((FP8, FP8)) == 6 and calls.count((GRAD8, FP8)) == 6
+
+
+@pytest.mark.parametrize("target", ["data", "kl"])
+def test_the_loss_hands_cublaslt_the_layouts_it_takes(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    """The loss's chunks (hard labels and the KL one) through the FP8 head pass cuBLASLt's rules."""
+    checked, calls = cublaslt_scaled_mm(torch._scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    W = head_weight(V=256, H=64)
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 256, (40,), generator=gen)
+    coef = torch.rand(40, generator=gen)
+    soft = torch.randn(40, 64, generator=gen) if target == "kl" else None
+    labels = None if target == "kl" else y
+    loss, _, _ = ChunkedLMHeadLoss.apply(h, FP8LMHead(W), coef, labels, soft, 16, False)
+    loss.backward()
+    assert torch.isfinite(h.grad).all() and (GRAD8, FP8) in calls
