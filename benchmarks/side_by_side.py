@@ -7,7 +7,9 @@ on the same held-out prompts.
         ours: specforge:trainer=specforge,stages.train.params.batch_size=8
 
 Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``--set`` does, and
-``trainer=specforge`` makes it a reference point (default: ours); the values are written into the
+``trainer=specforge`` makes it a reference point (default: ours), and ``serve_target=MODEL`` serves
+its export against MODEL (``evaluate --target``; e.g. a drafter trained on an FP8 target's features,
+served against the bf16 one) instead of the target it trained on; the values are written into the
 point's pipeline file (``NAME/pipeline.yaml`` in ``--out``). Every point runs the quality
 pipeline file (default pipelines/quality_gpu.yaml) without its generate stage, from the same
 records (``--records``, generate's shards), through the same tokenize, pack and extract. Ours keep
@@ -173,9 +175,9 @@ def main() -> int:
     print(f"{write_records(shards, 1.0, records)} records from {len(shards)} shards", flush=True)
 
     points = {}
+    serve_targets: dict[str, str | None] = {}
     for text in args.points:
-        name, sets = parse_point(text)
-        reference = sets.pop("trainer", "ours") == "specforge"
+        name, sets, reference, serve_targets[name] = point_spec(text)
         folder = out / name
         folder.mkdir(exist_ok=True)
         doc = point_pipeline(base, base_path.parent, records, folder / "run")
@@ -198,10 +200,8 @@ def main() -> int:
         return {**f, "peak_gib": train_peak(out / name / "train.log")}
 
     def evaluations(name: str, export: str) -> dict[tuple[str, str], subprocess.Popen]:
-        return {(name, kind): run([sys.executable, "-m", "dflash_core.cli.main", "evaluate", export,
-                                   "--prompts", prompts, "--num-prompts", str(n), "--max-new-tokens",
-                                   str(args.max_new_tokens), "--batch-size", str(args.eval_batch_size),
-                                   "--out", str(out / name / kind)], out / name / f"{kind}.log")
+        return {(name, kind): run(evaluate_cmd(export, prompts, n, out / name / kind, args.max_new_tokens,
+                                               args.eval_batch_size, serve_targets[name]), out / name / f"{kind}.log")
                 for kind, (prompts, n) in prompt_sets.items()}
 
     # each point's evaluations start as soon as its training ends, beside the trainings still running
@@ -216,6 +216,7 @@ def main() -> int:
         for name, f in figures.items():
             rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
             rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
+                         "serve_target": serve_targets[name],
                          "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
                          "eval_rc": max((rc for k, rc in served.items() if k[0] == name), default=None),
                          **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
@@ -248,6 +249,22 @@ def main() -> int:
     rows = rows_now()
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
+
+
+def point_spec(text: str) -> tuple[str, dict[str, str], bool, str | None]:
+    """(name, pipeline sets, is a reference point, the target to serve against or None: the one it
+    trained on) of a ``NAME:KEY=VALUE,...`` argument; ``trainer`` and ``serve_target`` are no pipeline keys."""
+    name, sets = parse_point(text)
+    reference = sets.pop("trainer", "ours") == "specforge"
+    return name, sets, reference, sets.pop("serve_target", None)
+
+
+def evaluate_cmd(export: str, prompts: str, num_prompts: int, out: Path, max_new_tokens: int, batch_size: int,
+                 target: str | None) -> list[str]:
+    """``dflash-pipe evaluate`` of one export on one prompt set, against ``target`` when given."""
+    return ([sys.executable, "-m", "dflash_core.cli.main", "evaluate", export, "--prompts", prompts,
+             "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--batch-size",
+             str(batch_size), "--out", str(out)] + (["--target", target] if target else []))
 
 
 def training_prompts(base: dict[str, Any], base_dir: Path) -> str:

@@ -177,3 +177,28 @@ def test_each_process_is_handed_on_as_it_ends(capsys: pytest.CaptureFixture[str]
     assert ended == [("fast", 3), ("slow", 0)]
     assert {k: v[0] for k, v in done.items()} == {"fast": 3, "slow": 0}
     assert "fast exited 3" in capsys.readouterr().out
+
+
+def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
+    """``serve_target=MODEL`` is no pipeline key: it is taken out of the point's sets and becomes
+    evaluate's ``--target``, as dflash-pipe's own parser reads it; a point without it is served
+    against the target it trained on (no --target)."""
+    from benchmarks.side_by_side import evaluate_cmd, point_spec
+    from dflash_core.cli.main import build_parser
+
+    name, sets, reference, target = point_spec(
+        "fp8feat:stages.extract.params.model=runs/smollm2-fp8,serve_target=smollm2")
+    assert (name, sets, reference, target) == ("fp8feat", {"stages.extract.params.model": "runs/smollm2-fp8"},
+                                               False, "smollm2")
+    assert point_spec("sf:trainer=specforge,stages.train.params.epochs=3") == (
+        "sf", {"stages.train.params.epochs": "3"}, True, None)
+
+    def parsed(target: str | None):
+        cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target)
+        assert cmd[1:4] == ["-m", "dflash_core.cli.main", "evaluate"]
+        return build_parser(cmd[3:]).parse_args(cmd[3:])
+
+    served = parsed("smollm2")
+    assert (served.export, served.target, served.num_prompts, served.out) == ("EXPORT", "smollm2", 64,
+                                                                              str(tmp_path / "eval"))
+    assert parsed(None).target is None
