@@ -164,7 +164,8 @@ class FP8BlockLinear(nn.Module):
     The activation is quantized per token in groups of ``block[1]`` input columns (dynamic scale:
     amax / 448). With FP8 tensor cores the product is ``torch._scaled_mm`` on the fp8 operands
     and both block scales; elsewhere it is the reference the product approximates: the quantized
-    activation and the weight dequantized, multiplied in float32 (CPU tests check this path)."""
+    activation and the weight dequantized, multiplied in float32 (CPU tests check this path), or in
+    the activation's half precision for bf16 / fp16 activations (:meth:`half_product`)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  block: Sequence[int] = (BLOCK, BLOCK)) -> None:
@@ -180,6 +181,10 @@ class FP8BlockLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(scale.float(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # a layer whose shape the block-scaled product cannot take always runs the reference math:
+        # its weight is dequantized once here (moved with the model, never saved), not at every call
+        self.register_buffer("dequantized", None if self.shape_fits_product() else self.dequantized_weight(),
+                             persistent=False)
 
     @classmethod
     def quantized(cls, linear: nn.Linear, block: Sequence[int] = (BLOCK, BLOCK)) -> FP8BlockLinear:
@@ -195,11 +200,17 @@ class FP8BlockLinear(nn.Module):
         """The float32 weight this layer stands for."""
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
 
+    def shape_fits_product(self) -> bool:
+        """128-wide groups and whole blocks on both operands, which block scaling in ``_scaled_mm``
+        wants (SmolLM2's 576 and 1,536 columns are no multiple of 128)."""
+        return self.block == (BLOCK, BLOCK) and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0
+
     def fp8_product_fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through :meth:`fp8_product`: FP8 tensor cores, and 128-wide groups and
-        whole blocks on both operands, which block scaling in ``_scaled_mm`` wants."""
-        return (fp8_product_available(x.device) and self.block == (BLOCK, BLOCK)
-                and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0)
+        """Whether ``x`` goes through :meth:`fp8_product`: FP8 tensor cores and a shape they take."""
+        return fp8_product_available(x.device) and self.shape_fits_product()
+
+    def _float_weight(self) -> torch.Tensor:
+        return self.dequantized if self.dequantized is not None else self.dequantized_weight()
 
     def fp8_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, in] -> [M, out] in rows' dtype: the fused activation quantization, then the
@@ -219,11 +230,24 @@ class FP8BlockLinear(nn.Module):
         times the dequantized weight."""
         q, scale = quantize_groups(rows, self.block[1])
         dtype = torch.promote_types(rows.dtype, torch.float32)
-        return dequantize_groups(q, scale, self.block[1]).to(dtype) @ self.dequantized_weight().to(dtype).t()
+        return dequantize_groups(q, scale, self.block[1]).to(dtype) @ self._float_weight().to(dtype).t()
+
+    def half_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] bf16 / fp16 -> [M, out] in rows' dtype, where the FP8 product cannot run: the
+        reference math with the dequantized activation and weight rounded to rows' dtype, each within
+        2^-9 (bf16) of its value against e4m3's own steps of 2^-4, and multiplied there (float32
+        accumulation). On a GPU that runs at the half-precision rate; the float32 reference does not."""
+        q, scale = quantize_groups(rows, self.block[1])
+        return dequantize_groups(q, scale, self.block[1]).to(rows.dtype) @ self._float_weight().to(rows.dtype).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = self.fp8_product(rows) if self.fp8_product_fits(x) else self.reference_product(rows).to(x.dtype)
+        if self.fp8_product_fits(x):
+            out = self.fp8_product(rows)
+        elif rows.dtype in (torch.bfloat16, torch.float16):
+            out = self.half_product(rows)
+        else:
+            out = self.reference_product(rows).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -138,6 +138,28 @@ def test_fp8_linear_on_cpu_is_the_block_scaled_product() -> None:
     assert 0.01 < err < 0.05
 
 
+
+def test_half_precision_activations_take_the_reference_math_at_their_precision() -> None:
+    """Where the FP8 product cannot run (here a 300-column layer), bf16 activations are multiplied
+    in bf16: the dequantized activation and the weight dequantized once (a buffer that moves with
+    the layer and is never saved), each rounded to bf16. That is the float32 reference within bf16's
+    rounding; float32 activations still get the float32 reference exactly."""
+    torch.manual_seed(3)
+    layer = fp8.FP8BlockLinear.quantized(nn.Linear(300, 320, bias=False))
+    assert not layer.shape_fits_product()
+    assert torch.equal(layer.dequantized, layer.dequantized_weight())
+    assert set(layer.state_dict()) == {"weight", "weight_scale_inv"}
+    x = torch.randn(37, 300)
+    got = layer(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, layer.half_product(x.bfloat16()))
+    want = layer.reference_product(x.bfloat16())
+    err = float((got.float() - want).norm() / want.norm())
+    assert 0 < err < 2 ** -7
+    assert torch.equal(layer(x), layer.reference_product(x))
+    fitting = fp8.FP8BlockLinear.quantized(nn.Linear(256, 128, bias=False))
+    assert fitting.shape_fits_product() and fitting.dequantized is None
+    assert torch.equal(fitting(x[:, :256]), fitting.reference_product(x[:, :256]))
+
 FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or not fp8.fp8_product_available(torch.device("cuda")),
                              reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
 
