@@ -20,8 +20,8 @@ its small-target recipe), sets pack to one epoch and runs the file's epochs itse
 with ``dflash-pipe evaluate`` (``--num-prompts``, ``--max-new-tokens``) on the file's held-out
 prompts, beside the trainings still running.
 
-The points train at once (``--sequential``: one after the other), so with all of them on one GPU
-each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
+The points train at once (``--parallel N``: at most N at a time, in the order given), so with
+several on one GPU each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
 first N prompts it was trained on. Prints one table (steps, anchors, drafter compute, training
 time, peak memory, served τ, n-gram τ, lossless, and τ on training prompts), then where τ is
 lost (evaluate's n-gram split), and writes ``side_by_side.json`` in ``--out``.
@@ -99,22 +99,33 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
     return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
 
 
-def wait_all(procs: dict[Any, subprocess.Popen],
-             on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
-    """Return code and wall clock of each process, measured from now (keys: a point's name, or
-    (name, evaluation) pairs); ``on_exit(key, returncode)`` is called as each one ends."""
-    t0, done = time.time(), {}
-    while len(done) < len(procs):
-        for name, p in procs.items():
-            if name not in done and p.poll() is not None:
-                done[name] = (p.returncode, round(time.time() - t0, 1))
-                label = " ".join(name) if isinstance(name, tuple) else name
-                print(f"[{time.strftime('%H:%M:%S')}] {label} exited {p.returncode} after {done[name][1]} s",
+def run_queued(starts: dict[Any, Callable[[], subprocess.Popen]], parallel: int = 0,
+               on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
+    """Start the processes in order, at most ``parallel`` at a time (0: all at once), each as soon as
+    a slot frees, and return each one's return code and wall clock from its own start (keys: a
+    point's name, or (name, evaluation) pairs); ``on_exit(key, returncode)`` is called as each ends."""
+    queue, running, done = list(starts.items()), {}, {}
+    while queue or running:
+        while queue and (parallel <= 0 or len(running) < parallel):
+            key, start = queue.pop(0)
+            running[key] = (start(), time.time())
+        for key, (p, t0) in list(running.items()):
+            if p.poll() is not None:
+                del running[key]
+                done[key] = (p.returncode, round(time.time() - t0, 1))
+                label = " ".join(key) if isinstance(key, tuple) else key
+                print(f"[{time.strftime('%H:%M:%S')}] {label} exited {p.returncode} after {done[key][1]} s",
                       flush=True)
                 if on_exit:
-                    on_exit(name, p.returncode)
-        time.sleep(1)
+                    on_exit(key, p.returncode)
+        time.sleep(0.2 if running else 0)
     return done
+
+
+def wait_all(procs: dict[Any, subprocess.Popen],
+             on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
+    """:func:`run_queued` for processes already running: wall clocks from now."""
+    return run_queued({key: (lambda p=p: p) for key, p in procs.items()}, 0, on_exit)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -160,7 +171,9 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--eval-batch-size", type=int, default=64)
-    ap.add_argument("--sequential", action="store_true", help="train one point after the other")
+    ap.add_argument("--parallel", type=int, default=0, metavar="N",
+                    help="train at most N points at once, in the order given, each starting as one ends (default "
+                         "0: all at once; 1: one after the other). A reference trainer slows most on a shared GPU")
     ap.add_argument("--train-prompts", type=int, default=0, metavar="N",
                     help="also serve each export on the first N prompts of the file's download source: "
                          "prompts it was trained on (under-fitting shows as τ there barely above held-out)")
@@ -239,12 +252,8 @@ def main() -> int:
         served[key] = rc
         write_rows()
 
-    if args.sequential:
-        for name, (_, _, cmd) in points.items():
-            trained.update(wait_all({name: run(cmd, out / name / "train.log")}, on_trained))
-    else:
-        trained.update(wait_all({name: run(cmd, out / name / "train.log") for name, (_, _, cmd) in points.items()},
-                                on_trained))
+    trained.update(run_queued({name: (lambda name=name, cmd=cmd: run(cmd, out / name / "train.log"))
+                               for name, (_, _, cmd) in points.items()}, args.parallel, on_trained))
     wait_all(serving, on_served)
     rows = rows_now()
     print_table(rows)

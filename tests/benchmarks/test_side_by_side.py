@@ -179,6 +179,31 @@ def test_each_process_is_handed_on_as_it_ends(capsys: pytest.CaptureFixture[str]
     assert "fast exited 3" in capsys.readouterr().out
 
 
+
+def test_at_most_parallel_points_train_at_once_in_the_order_given(tmp_path: Path) -> None:
+    """--parallel N: the first N points start, and each later one starts only when one has ended.
+    Each process writes to a shared log as it starts and ends; b outlasts a and c by seconds."""
+    import subprocess
+    import sys
+
+    from benchmarks.side_by_side import run_queued
+
+    code = ("import sys, time; f = open(sys.argv[1], 'a'); f.write(f'start {sys.argv[2]}\\n'); f.flush(); "
+            "time.sleep(float(sys.argv[3])); f.write(f'end {sys.argv[2]}\\n')")
+
+    def events(parallel: int) -> list[str]:
+        log = tmp_path / f"log{parallel}"
+        done = run_queued({name: (lambda name=name, s=s: subprocess.Popen([sys.executable, "-c", code, str(log),
+                                                                           name, str(s)]))
+                           for name, s in (("a", 0.2), ("b", 3.0), ("c", 0.2))}, parallel)
+        assert {k: v[0] for k, v in done.items()} == {"a": 0, "b": 0, "c": 0}
+        return log.read_text().splitlines()
+
+    assert events(1) == ["start a", "end a", "start b", "end b", "start c", "end c"]
+    two = events(2)
+    assert sorted(two[:2]) == ["start a", "start b"]
+    assert two.index("end a") < two.index("start c") < two.index("end c") < two.index("end b")
+
 def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     """``serve_target=MODEL`` is no pipeline key: it is taken out of the point's sets and becomes
     evaluate's ``--target``, as dflash-pipe's own parser reads it; a point without it is served
