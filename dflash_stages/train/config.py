@@ -68,7 +68,8 @@ class TrainConfig:
     lm_head_dtype: LMHeadDtype = field(default="model", metadata={
         "help": "the loss's LM-head products: model = in the drafter's dtype; fp8 = through an e4m3 copy of the "
                 "frozen head (row-wise scales, torch._scaled_mm; fast on FP8 tensor cores; vocabulary and hidden "
-                "size must be multiples of 16). Its effect on served tau is not measured yet (docs/fp8_target.md)"})
+                "size must be multiples of 16). 10% off the 27B-shape step; its effect on served tau is not "
+                "measured yet (docs/fp8_target.md)"})
     loss_target: LossTarget = field(default="data", metadata={
         "help": "what each slot learns: data = the row's own tokens; target_argmax = the target's "
                 "greedy token; kl = the target's distribution (both need extract's last_hidden)"})
