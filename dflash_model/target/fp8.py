@@ -165,7 +165,7 @@ class FP8BlockLinear(nn.Module):
     amax / 448). With FP8 tensor cores the product is ``torch._scaled_mm`` on the fp8 operands
     and both block scales; elsewhere it is the reference the product approximates: the quantized
     activation and the weight dequantized, multiplied in float32 (CPU tests check this path), or in
-    the activation's half precision for bf16 / fp16 activations (:meth:`half_product`)."""
+    the activation's half precision for bf16 / fp16 activations (:meth:`reference_product`)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  block: Sequence[int] = (BLOCK, BLOCK)) -> None:
@@ -224,30 +224,23 @@ class FP8BlockLinear(nn.Module):
                                out_dtype=rows.dtype)
         return out[:m] if pad else out
 
-    def reference_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, in] -> [M, out] in float32 (float64 for float64 rows): the math
+    def reference_product(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """rows [M, in] -> [M, out] in ``dtype`` (default float32, float64 for float64 rows): the math
         :meth:`fp8_product` approximates, on any device: the activation quantized and dequantized,
-        times the dequantized weight."""
+        times the dequantized weight, multiplied in ``dtype``. In bf16 each dequantized operand is
+        within 2^-9 of its value (e4m3's own steps are 2^-4), and a GPU runs it at the bf16 rate,
+        which the float32 product does not: ``forward`` takes it for half-precision activations."""
         q, scale = quantize_groups(rows, self.block[1])
-        dtype = torch.promote_types(rows.dtype, torch.float32)
+        dtype = dtype or torch.promote_types(rows.dtype, torch.float32)
         return dequantize_groups(q, scale, self.block[1]).to(dtype) @ self._float_weight().to(dtype).t()
-
-    def half_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, in] bf16 / fp16 -> [M, out] in rows' dtype, where the FP8 product cannot run: the
-        reference math with the dequantized activation and weight rounded to rows' dtype, each within
-        2^-9 (bf16) of its value against e4m3's own steps of 2^-4, and multiplied there (float32
-        accumulation). On a GPU that runs at the half-precision rate; the float32 reference does not."""
-        q, scale = quantize_groups(rows, self.block[1])
-        return dequantize_groups(q, scale, self.block[1]).to(rows.dtype) @ self._float_weight().to(rows.dtype).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.fp8_product_fits(x):
             out = self.fp8_product(rows)
-        elif rows.dtype in (torch.bfloat16, torch.float16):
-            out = self.half_product(rows)
         else:
-            out = self.reference_product(rows).to(x.dtype)
+            half = rows.dtype in (torch.bfloat16, torch.float16)
+            out = self.reference_product(rows, rows.dtype if half else None).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
