@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from dflash_model.target.fp8 import FP8, scale_of, to_fp8
+
 GRAD8 = torch.float8_e5m2  # the gradient operand: its range keeps the small probabilities (see FP8LMHead)
 ALIGN = 16  # _scaled_mm wants every dimension a multiple of 16
 
@@ -34,10 +34,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tens
     transposed input's layout, and cuBLASLt's FP8 product on Hopper takes its first operand
     row-major and its second column-major only (``FP8LMHead._product``). The cast writes the
     row-major copy itself, so a transposed or strided ``x`` costs no extra copy of the fp8 tensor."""
-    top = torch.finfo(dtype).max
-    amax = x.abs().amax(-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax)).contiguous()
-    return (x.float() / scale).clamp(-top, top).to(dtype, memory_format=torch.contiguous_format), scale
+    scale = scale_of(x.abs().amax(-1, keepdim=True).float(), dtype).contiguous()
+    return to_fp8(x.float() / scale, dtype), scale
 
 
 @functools.cache

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 BLOCK = 128
 # cuBLASLt refuses a block-scaled product whose row count is no multiple of 4 (seen on an H200,
 # torch 2.11, CUDA 13: 1-3, 17 and 999 rows refused, 4, 12, 100 and 1000 taken)
@@ -83,15 +82,17 @@ def _blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return t.reshape((n + pad_n) // rows, rows, (k + pad_k) // cols, cols)
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448, with 1 for an all-zero block (which any scale represents exactly)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+def scale_of(amax: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """amax / (``dtype``'s largest value: 448 for e4m3), with 1 for an all-zero block (which any
+    scale represents exactly)."""
+    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
 
-def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
-    """Round to e4m3 (nearest even); the clamp guards the rounding of x / scale just above 448,
-    which the cast would turn into NaN."""
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def to_fp8(scaled: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """Round to ``dtype`` (nearest even), written row-major whatever ``scaled``'s layout; the clamp
+    guards the rounding of x / scale just above the largest value, which the cast would turn into NaN."""
+    top = torch.finfo(dtype).max
+    return scaled.clamp(-top, top).to(dtype, memory_format=torch.contiguous_format)
 
 
 def quantize_blocks(weight: torch.Tensor, block: Sequence[int] = (BLOCK, BLOCK)
@@ -100,8 +101,8 @@ def quantize_blocks(weight: torch.Tensor, block: Sequence[int] = (BLOCK, BLOCK)
     amax / 448 and rounded to e4m3, the published convention (``weight_scale_inv`` = amax / 448)."""
     n, k = weight.shape
     b = _blocks(weight.float(), *block)
-    scale = _scale_of(b.abs().amax(dim=(1, 3)))
-    q = _to_fp8(b / scale[:, None, :, None])
+    scale = scale_of(b.abs().amax(dim=(1, 3)))
+    q = to_fp8(b / scale[:, None, :, None])
     return q.reshape(b.shape[0] * block[0], -1)[:n, :k].contiguous(), scale
 
 
@@ -120,8 +121,8 @@ def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, 
     k = x.shape[-1]
     pad = -k % group
     g = nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, group))
-    scale = _scale_of(g.abs().amax(dim=-1))
-    q = _to_fp8(g / scale[..., None]).flatten(-2)[..., :k]
+    scale = scale_of(g.abs().amax(dim=-1))
+    q = to_fp8(g / scale[..., None]).flatten(-2)[..., :k]
     return q, scale
 
 
