@@ -100,13 +100,16 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
 
 
 def run_queued(starts: dict[Any, Callable[[], subprocess.Popen]], parallel: int = 0,
-               on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
+               on_exit: Callable[[Any, int, float], dict[Any, Callable[[], subprocess.Popen]] | None] | None = None,
+               ) -> dict[Any, tuple[int, float]]:
     """Start the processes in order, at most ``parallel`` at a time (0: all at once), each as soon as
     a slot frees, and return each one's return code and wall clock from its own start (keys: a
-    point's name, or (name, evaluation) pairs); ``on_exit(key, returncode)`` is called as each ends."""
+    point's name, or (name, evaluation) pairs). ``on_exit(key, returncode, seconds)`` is called as each ends;
+    the processes it returns start at once, outside the limit, and are waited for and handed to
+    ``on_exit`` in turn: a point's evaluations run beside the trainings still queued or running."""
     queue, running, done = list(starts.items()), {}, {}
     while queue or running:
-        while queue and (parallel <= 0 or len(running) < parallel):
+        while queue and (parallel <= 0 or sum(key in starts for key in running) < parallel):
             key, start = queue.pop(0)
             running[key] = (start(), time.time())
         for key, (p, t0) in list(running.items()):
@@ -116,16 +119,10 @@ def run_queued(starts: dict[Any, Callable[[], subprocess.Popen]], parallel: int 
                 label = " ".join(key) if isinstance(key, tuple) else key
                 print(f"[{time.strftime('%H:%M:%S')}] {label} exited {p.returncode} after {done[key][1]} s",
                       flush=True)
-                if on_exit:
-                    on_exit(key, p.returncode)
+                for after, start in ((on_exit(key, *done[key]) if on_exit else None) or {}).items():
+                    running[after] = (start(), time.time())
         time.sleep(0.2 if running else 0)
     return done
-
-
-def wait_all(procs: dict[Any, subprocess.Popen],
-             on_exit: Callable[[Any, int], None] | None = None) -> dict[Any, tuple[int, float]]:
-    """:func:`run_queued` for processes already running: wall clocks from now."""
-    return run_queued({key: (lambda p=p: p) for key, p in procs.items()}, 0, on_exit)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -212,15 +209,14 @@ def main() -> int:
                          int(doc["stages"]["train"]["params"].get("num_anchors", 512)))
         return {**f, "peak_gib": train_peak(out / name / "train.log")}
 
-    def evaluations(name: str, export: str) -> dict[tuple[str, str], subprocess.Popen]:
-        return {(name, kind): run(evaluate_cmd(export, prompts, n, out / name / kind, args.max_new_tokens,
-                                               args.eval_batch_size, serve_targets[name]), out / name / f"{kind}.log")
+    def evaluations(name: str, export: str) -> dict[tuple[str, str], Callable[[], subprocess.Popen]]:
+        return {(name, kind): (lambda kind=kind, prompts=prompts, n=n: run(
+                    evaluate_cmd(export, prompts, n, out / name / kind, args.max_new_tokens, args.eval_batch_size,
+                                 serve_targets[name]), out / name / f"{kind}.log"))
                 for kind, (prompts, n) in prompt_sets.items()}
 
-    # each point's evaluations start as soon as its training ends, beside the trainings still running
     figures: dict[str, dict[str, Any]] = {}
     trained: dict[str, tuple[int, float]] = {}
-    serving: dict[tuple[str, str], subprocess.Popen] = {}
     served: dict[tuple[str, str], int] = {}
 
     def rows_now() -> list[dict[str, Any]]:
@@ -237,24 +233,22 @@ def main() -> int:
                          **split_figures(rep)})
         return rows
 
-    def write_rows() -> None:
-        """side_by_side.json as it stands: a run cut short (a device's time limit) keeps what ended."""
+    def on_exit(key: str | tuple[str, str], rc: int, seconds: float) -> dict | None:
+        """A training's end starts its point's evaluations; side_by_side.json is rewritten at every
+        end, so a run cut short (a device's time limit) keeps what ended."""
+        follow = None
+        if isinstance(key, tuple):
+            served[key] = rc
+        else:
+            trained[key] = (rc, seconds)
+            figures[key] = point_figures(key, rc)
+            if figures[key].get("export"):
+                follow = evaluations(key, figures[key]["export"])
         (out / "side_by_side.json").write_text(json.dumps(rows_now(), indent=1))
+        return follow
 
-    def on_trained(name: str, rc: int) -> None:
-        trained[name] = (rc, None)  # the wall clock follows when every training has ended
-        figures[name] = point_figures(name, rc)
-        if figures[name].get("export"):
-            serving.update(evaluations(name, figures[name]["export"]))
-        write_rows()
-
-    def on_served(key: tuple[str, str], rc: int) -> None:
-        served[key] = rc
-        write_rows()
-
-    trained.update(run_queued({name: (lambda name=name, cmd=cmd: run(cmd, out / name / "train.log"))
-                               for name, (_, _, cmd) in points.items()}, args.parallel, on_trained))
-    wait_all(serving, on_served)
+    run_queued({name: (lambda name=name, cmd=cmd: run(cmd, out / name / "train.log"))
+                for name, (_, _, cmd) in points.items()}, args.parallel, on_exit)
     rows = rows_now()
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1

@@ -162,22 +162,37 @@ def test_split_figures_read_the_reports_ngram_split() -> None:
     assert split_figures({}) == {}
 
 
-def test_each_process_is_handed_on_as_it_ends(capsys: pytest.CaptureFixture[str]) -> None:
-    """wait_all calls ``on_exit`` once per process, in the order they end, with its return code: a
-    point's evaluations start while slower points still train."""
+def test_an_evaluation_starts_as_its_training_ends_beside_the_queue(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``on_exit`` is called once per process as it ends, with its return code; what it returns (a
+    point's evaluation) starts at once, outside the ``parallel`` limit, beside the next queued
+    training, and is itself handed to ``on_exit`` when it ends, before that training has."""
     import subprocess
     import sys
 
-    from benchmarks.side_by_side import wait_all
+    from benchmarks.side_by_side import run_queued
 
-    procs = {name: subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({delay}); sys.exit({rc})"])
-             for name, delay, rc in (("slow", 2.5, 0), ("fast", 0.0, 3))}
-    ended: list[tuple[str, int]] = []
-    done = wait_all(procs, lambda name, rc: ended.append((name, rc)))
-    assert ended == [("fast", 3), ("slow", 0)]
-    assert {k: v[0] for k, v in done.items()} == {"fast": 3, "slow": 0}
+    log = tmp_path / "log"
+    code = ("import sys, time; f = open(sys.argv[1], 'a'); f.write(f'start {sys.argv[2]}\\n'); f.flush(); "
+            "time.sleep(float(sys.argv[3])); f.write(f'end {sys.argv[2]}\\n'); sys.exit(int(sys.argv[4]))")
+
+    def start(name: str, seconds: float, rc: int = 0):
+        return lambda: subprocess.Popen([sys.executable, "-c", code, str(log), name, str(seconds), str(rc)])
+
+    ended: list[tuple[object, int]] = []
+
+    def on_exit(key: object, rc: int, seconds: float) -> dict | None:
+        ended.append((key, rc))
+        return {("fast", "eval"): start("fast-eval", 0.5)} if key == "fast" else None
+
+    done = run_queued({"fast": start("fast", 0.0, 3), "slow": start("slow", 3.0)}, 1, on_exit)
+    assert ended == [("fast", 3), (("fast", "eval"), 0), ("slow", 0)]
+    assert {k: v[0] for k, v in done.items()} == {"fast": 3, ("fast", "eval"): 0, "slow": 0}
+    events = log.read_text().splitlines()
+    assert events[:2] == ["start fast", "end fast"]
+    assert sorted(events[2:4]) == ["start fast-eval", "start slow"]
+    assert events[4:] == ["end fast-eval", "end slow"]
     assert "fast exited 3" in capsys.readouterr().out
-
 
 
 def test_at_most_parallel_points_train_at_once_in_the_order_given(tmp_path: Path) -> None:
