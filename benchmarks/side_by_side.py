@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import subprocess
 import sys
 import time
@@ -220,17 +221,21 @@ def main() -> int:
     served: dict[tuple[str, str], int] = {}
 
     def rows_now() -> list[dict[str, Any]]:
-        """A row per point trained so far, with the figures of the evaluations ended so far."""
+        """A row per point trained so far, with the figures of the evaluations ended so far; ours are
+        compared prompt by prompt with the first reference point served (``vs_ref``)."""
         rows = []
+        ref = next((read_report(out / name / "eval" / "report.json") for name in figures if points[name][0]), {})
         for name, f in figures.items():
             rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
             rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
                          "serve_target": serve_targets[name],
                          "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
                          "eval_rc": max((rc for k, rc in served.items() if k[0] == name), default=None),
-                         **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "lossless", "num_prompts")},
+                         **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "tau_ref", "lossless",
+                                                    "num_prompts")},
                          "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
-                         **split_figures(rep)})
+                         **split_figures(rep),
+                         "vs_ref": None if points[name][0] else {k: paired(ref, rep, k) for k in ("tau", "tau_ref")}})
         return rows
 
     def on_exit(key: str | tuple[str, str], rc: int, seconds: float) -> dict | None:
@@ -278,6 +283,27 @@ def training_prompts(base: dict[str, Any], base_dir: Path) -> str:
     return str((base_dir / first).resolve())
 
 
+def paired(ref: dict[str, Any], point: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``point`` against ``ref`` prompt by prompt on ``key`` (evaluate's per-prompt τ or τ_ref), over
+    the prompts both reports hold a number for: the ratio of the pooled figures, the mean of the
+    per-prompt differences (point − ref) with its standard error, and the prompts each side wins.
+    On ``tau_ref`` both drafters are scored on the same text, so the pairing is exact; on ``tau``
+    each is scored on its own served output. None without two such prompts."""
+    theirs = {r["index"]: r.get(key) for r in ref.get("per_prompt") or []}
+    d = [r[key] - theirs[r["index"]] for r in point.get("per_prompt") or []
+         if _finite(r.get(key)) and _finite(theirs.get(r["index"]))]
+    if len(d) < 2 or not ref.get(key) or point.get(key) is None:
+        return None
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    return {"ratio": point[key] / ref[key], "diff": mean, "se": sd / math.sqrt(len(d)), "n": len(d),
+            "wins": sum(x > 0 for x in d), "losses": sum(x < 0 for x in d)}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def split_figures(report: dict[str, Any]) -> dict[str, Any]:
     """evaluate's n-gram split of a report: τ of DFlash and of n-gram on the cycles where n-gram
     had a match (text it could copy) and where it had none (new text), and the share of
@@ -321,24 +347,29 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return format(r[key], fmt) if r.get(key) is not None else "-"
 
     print(f"\n{'point':<16} {'trainer':<9} {'steps':>6} {'anchors/step':>12} {'blocks':>9} {'PFLOP':>7} {'train s':>8} "
-          f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'n-gram':>6} {'lossless':>8} "
-          f"{'τ train':>7} {'n-gram train':>12}")
+          f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'τ ref':>5} {'n-gram':>6} "
+          f"{'lossless':>8} {'τ train':>7} {'n-gram train':>12}")
     for r in rows:
         print(f"{r['point']:<16} {r['trainer']:<9} {f(r, 'steps', 'd'):>6} {f(r, 'anchors_per_step', '.1f'):>12} "
               f"{f(r, 'anchor_blocks', '.3g'):>9} {f(r, 'drafter_pflop', '.1f'):>7} {f(r, 'train_s', '.0f'):>8} "
               f"{f(r, 'pipeline_s', '.0f'):>10} {f(r, 'peak_gib', '.1f'):>8} {f(r, 'loss', '.3f'):>6} "
-              f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ngram', '.2f'):>6} "
-              f"{str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} {f(r, 'tau_ngram_train', '.2f'):>12}")
+              f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ref', '.2f'):>5} "
+              f"{f(r, 'tau_ngram', '.2f'):>6} {str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} "
+              f"{f(r, 'tau_ngram_train', '.2f'):>12}")
     if any(r.get("tau_copy") is not None for r in rows):
         print("\nwhere τ is lost (evaluate's n-gram split): cycles where n-gram had a match (copy) or none (new)")
         print(f"{'point':<16} {'copy share':>10} {'τ copy':>7} {'n-gram copy':>11} {'τ new':>6} {'n-gram new':>10}")
         for r in rows:
             print(f"{r['point']:<16} {f(r, 'copy_share', '.2f'):>10} {f(r, 'tau_copy', '.2f'):>7} "
                   f"{f(r, 'tau_ngram_copy', '.2f'):>11} {f(r, 'tau_new', '.2f'):>6} {f(r, 'tau_ngram_new', '.2f'):>10}")
-    ours = next((r for r in rows if r["trainer"] == "ours" and r.get("tau")), None)
-    ref = next((r for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
-    if ours and ref:
-        print(f"served τ, {ours['point']} / {ref['point']}: {ours['tau'] / ref['tau']:.3f}")
+    ref = next((r["point"] for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
+    measures = (("tau", "served τ"), ("tau_ref", "τ on the reference text"))
+    lines = [(r["point"], what, c) for r in rows for key, what in measures if (c := (r.get("vs_ref") or {}).get(key))]
+    if ref and lines:
+        print(f"\nagainst {ref}, prompt by prompt (difference: point − {ref}, mean ± standard error)")
+        for point, what, c in lines:
+            print(f"{point:<16} {what:<24} ratio {c['ratio']:.3f}  difference {c['diff']:+.3f} ± {c['se']:.3f} "
+                  f"over {c['n']} prompts, {c['wins']} won, {c['losses']} lost")
 
 
 if __name__ == "__main__":

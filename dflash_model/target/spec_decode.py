@@ -27,7 +27,7 @@ lives there) during the very forward that prefills or verifies, so a dense targe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -337,6 +337,20 @@ def tau_histogram(accepted: Iterable[int], block_size: int) -> list[int]:
     for a in accepted:
         hist[min(a + 1, block_size)] += 1
     return hist
+
+
+def cycles_on_text(anchor_tau: Mapping[int, float], start: int, last_full: int) -> list[int]:
+    """The τ of each whole-block cycle a lossless decode of one fixed text makes: the first cycle
+    drafts from ``start`` (the first generated token's position), each next one from the previous
+    anchor plus its τ, up to the last anchor whose cycle has a whole block of draft budget
+    (``last_full``: prompt length + max_new_tokens − block_size − 1) or the first anchor without a
+    measured τ (the text ended). ``anchor_tau``: τ per anchor position, from :func:`teacher_forced_tau`.
+    Every drafter walked over the same text is scored on the same text."""
+    taus, a = [], start
+    while a <= last_full and a in anchor_tau:
+        taus.append(int(round(anchor_tau[a])))
+        a += taus[-1]
+    return taus
 
 
 @torch.no_grad()

@@ -83,7 +83,8 @@ def compute_gap(tau: float, tau_sim: float | None, threshold: float = GAP_THRESH
     return gap, abs(gap) > threshold
 
 
-NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "tau_serve_all": None, "sim_loss": None, "sim_acc": None}
+NO_TAU_SIM = {"tau_sim": None, "tau_sim_all": None, "tau_serve_all": None, "sim_loss": None, "sim_acc": None,
+              "tau_ref": None}
 
 
 @dataclass
@@ -159,8 +160,8 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": ng})
 
     t0 = time.perf_counter()
-    report.update(_tau_sim(drafter, target, prompts, run.results, per_prompt, embed, head, layer_ids)
-                  if with_tau_sim else NO_TAU_SIM)
+    report.update(_tau_sim(drafter, target, prompts, run.results, refs, per_prompt, embed, head, layer_ids,
+                           max_new_tokens) if with_tau_sim else NO_TAU_SIM)
     timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
 
     report.update(_verdict(report["tau"], report["tau_sim"], gap_threshold, mismatches, ties, per_prompt, tol))
@@ -228,18 +229,28 @@ def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, An
 
 
 def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], results: Sequence[Any],
-             per_prompt: list[dict[str, Any]], embed: Any, head: Any, layer_ids: list[int]) -> dict[str, Any]:
+             refs: Sequence[Sequence[int]], per_prompt: list[dict[str, Any]], embed: Any, head: Any,
+             layer_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
     """τ_sim teacher-forced on each prompt + the drafter's served output, in one pass: at every
     anchor (the trainer's view, with loss and accuracy) and, read from it, at the served full
     blocks' anchors (the gap's basis).
 
     The served output, not the greedy reference: the anchors are positions in it, and in bf16 it
-    leaves the reference at near ties, after which the reference is another text."""
-    from dflash_model.target.spec_decode import teacher_forced_tau
+    leaves the reference at near ties, after which the reference is another text. Two drafters
+    served on the same prompts are thus scored on different texts (one may fall into a loop that
+    the other's text never reaches), so ``tau_ref`` is also measured: the cycles a lossless decode
+    of the greedy reference itself would make (:func:`cycles_on_text`), the same text for every
+    drafter, which makes drafters comparable prompt by prompt."""
+    from dflash_model.target.spec_decode import cycles_on_text, teacher_forced_tau
 
-    at, every = [], []
-    for row, prompt, res in zip(per_prompt, prompts, results):
+    at, every, on_ref = [], [], []
+    for row, prompt, res, ref in zip(per_prompt, prompts, results, refs):
         sim_all = teacher_forced_tau(drafter, target, prompt, res.tokens, embed, head, layer_ids)
+        sim_ref = (sim_all if list(res.tokens) == list(ref)
+                   else teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids))
+        taus = cycles_on_text(sim_ref["anchor_tau"], len(prompt), len(prompt) + max_new_tokens - drafter.block_size - 1)
+        row["tau_ref"] = sum(taus) / len(taus) if taus else float("nan")
+        on_ref.extend(taus)
         served = [sim_all["anchor_tau"][a] for a, f in zip(res.anchors, res.full) if f and a in sim_all["anchor_tau"]]
         sim = {"tau_sim": sum(served) / len(served) if served else float("nan"), "n_blocks": len(served)}
         row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], tau_serve_all=sim_all["tau_serve"],
@@ -256,7 +267,8 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
         return n / sum(s["n_blocks"] / s["tau_serve"] for s in sims if s["n_blocks"]) if n else None
 
     return {"tau_sim": weighted(at, "tau_sim"), "tau_sim_all": weighted(every, "tau_sim"),
-            "tau_serve_all": harmonic(every), "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc")}
+            "tau_serve_all": harmonic(every), "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc"),
+            "tau_ref": sum(on_ref) / len(on_ref) if on_ref else None}
 
 
 def add_warnings(report: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ only in its train stage. SpecForge itself runs only on the GPU benchmark (docs/q
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,6 @@ def test_training_prompts_are_the_first_download_source_of_the_quality_file(tmp_
 def test_split_figures_read_the_reports_ngram_split() -> None:
     """The table's 'where τ is lost' columns, from a session-18 report (SpecForge's point): DFlash
     1.87 and n-gram 3.34 where n-gram had a match, 1.54 and 1.00 on new text."""
-    import json
 
     from benchmarks.side_by_side import split_figures
 
@@ -242,3 +242,31 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     assert (served.export, served.target, served.num_prompts, served.out) == ("EXPORT", "smollm2", 64,
                                                                               str(tmp_path / "eval"))
     assert parsed(None).target is None
+
+
+def test_points_are_compared_with_the_reference_prompt_by_prompt() -> None:
+    """paired(): the pooled ratio, the mean per-prompt difference with its standard error, and the
+    prompts won and lost, over the prompts both reports measured (NaN and missing ones left out)."""
+    from benchmarks.side_by_side import paired
+
+    ref = {"tau_ref": 2.0, "per_prompt": [{"index": i, "tau_ref": t} for i, t in enumerate([2.0, 2.0, 2.0, 1.0])]}
+    point = {"tau_ref": 2.5, "per_prompt": [{"index": 0, "tau_ref": 3.0}, {"index": 1, "tau_ref": 2.0},
+                                             {"index": 2, "tau_ref": 2.5}, {"index": 3, "tau_ref": float("nan")},
+                                             {"index": 4, "tau_ref": 9.0}]}
+    got = paired(ref, point, "tau_ref")
+    assert got["n"] == 3 and (got["wins"], got["losses"]) == (2, 0)
+    assert got["ratio"] == pytest.approx(1.25) and got["diff"] == pytest.approx(0.5)
+    assert got["se"] == pytest.approx(0.5 / 3 ** 0.5)  # differences 1, 0, 0.5: sd 0.5
+    assert paired(ref, {"tau_ref": None, "per_prompt": []}, "tau_ref") is None
+
+
+def test_the_session_21_gap_to_specforge_is_inside_its_standard_error() -> None:
+    """On the served τ of session 21's reports: ours 0.991 of SpecForge pooled, 0.047 lower per
+    prompt on average with a standard error of 0.051, 28 prompts won and 35 lost."""
+    from benchmarks.side_by_side import paired
+
+    data = REPO / "docs/data/quality_2026-12-03_session21"
+    sf, ours = (json.loads((data / f"{p}_eval.json").read_text()) for p in ("sf-3ep-b8", "ours-3ep-k4-lr6"))
+    got = paired(sf, ours, "tau")
+    assert round(got["ratio"], 3) == 0.991 and round(got["diff"], 3) == -0.047 and round(got["se"], 3) == 0.051
+    assert (got["n"], got["wins"], got["losses"]) == (64, 28, 35)

@@ -353,3 +353,63 @@ def test_tau_serve_estimates_the_served_tau_where_tau_sim_all_does_not(target):
     assert rep["tau_sim_all"] > 1.4 * rep["tau"]
     assert abs(rep["tau_serve_all"] - rep["tau"]) < 0.1 * rep["tau"]
     assert all(r["tau_serve_all"] <= r["tau_sim_all"] for r in rep["per_prompt"])
+
+
+def test_cycles_on_a_fixed_text_follow_each_anchors_tau():
+    """Each cycle starts where the last one's τ took the text; the walk stops past the last anchor
+    with a whole block of budget, or at an anchor with no measured τ (the text ended)."""
+    from dflash_model.target.spec_decode import cycles_on_text
+
+    tau = {10: 3.0, 11: 1.0, 12: 5.0, 13: 2.0, 14: 1.0, 15: 16.0, 31: 1.0}
+    assert cycles_on_text(tau, 10, 40) == [3, 2, 16, 1]
+    assert cycles_on_text(tau, 10, 30) == [3, 2, 16]
+    assert cycles_on_text(tau, 10, 12) == [3]
+    assert cycles_on_text(tau, 11, 40) == [1, 5]  # 11 -> 12 -> 17: no τ measured there
+    assert cycles_on_text({}, 10, 40) == []
+
+
+def test_tau_ref_is_the_served_tau_where_the_output_is_the_reference(target, prompts):
+    """In float32 the served decode is the greedy reference, token for token, so the cycles a decode
+    of the reference makes are the served cycles: τ on the reference equals served τ, per prompt and
+    pooled."""
+    from dflash_stages.evaluate.drafter import evaluate_drafter
+
+    refs = [greedy_decode(target, p, 40) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts, refs)
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=40, baseline=False, batch_size=2)
+    assert rep["lossless"] and rep["identical"] == len(prompts)
+    assert rep["tau"] > 2.0
+    for row in rep["per_prompt"]:
+        assert row["tau_ref"] == pytest.approx(row["tau"], abs=1e-9)
+    assert rep["tau_ref"] == pytest.approx(rep["tau"], abs=1e-9)
+
+
+def test_tau_ref_is_measured_on_the_reference_not_on_the_served_output(target, prompts, monkeypatch):
+    """Where the served output leaves the reference (here the reference is altered at its third
+    token), τ_sim follows the served text and τ_ref the reference: the walk over the reference's own
+    teacher-forced τ, whatever was served."""
+    from dflash_model.target.capture import embeddings_and_head
+    from dflash_model.target.spec_decode import cycles_on_text, teacher_forced_tau
+    from dflash_stages.evaluate import runs as eval_runs
+    from dflash_stages.evaluate.drafter import evaluate_drafter
+
+    refs = [greedy_decode(target, p, 24) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts, refs)
+    real = eval_runs.reference_decode
+    altered_refs: list[list[int]] = []
+
+    def altered(*args, **kwargs):
+        outs, seconds = real(*args, **kwargs)
+        altered_refs.extend(o[:2] + [(o[2] + 1) % 100] + o[3:] for o in outs)
+        return list(altered_refs), seconds
+
+    monkeypatch.setattr(eval_runs, "reference_decode", altered)
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=24, baseline=False, batch_size=2,
+                           tie_tolerance=0.0)
+    embed, head = embeddings_and_head(target)
+    for row, prompt, ref in zip(rep["per_prompt"], prompts, altered_refs):
+        sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, list(drafter.config.target_layer_ids))
+        taus = cycles_on_text(sim["anchor_tau"], len(prompt), len(prompt) + 24 - drafter.block_size - 1)
+        assert row["tau_ref"] == pytest.approx(sum(taus) / len(taus))
+        assert row["tau_sim"] == pytest.approx(row["tau"], abs=1e-6)
+    assert any(abs(row["tau_ref"] - row["tau"]) > 0.1 for row in rep["per_prompt"])
