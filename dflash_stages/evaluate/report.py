@@ -190,11 +190,11 @@ def summary_table(summary: Mapping[str, Any]) -> Any:
     from rich.table import Table
 
     t = Table(title="evaluate", show_header=True)
-    for col in ("step", "τ", "τ n-gram", "τ_sim", "gap", "lossless"):
+    for col in ("step", "τ", "τ n-gram", "τ_sim", "τ_ref", "gap", "lossless"):
         t.add_column(col, justify="right")
     gap = summary.get("gap")
     t.add_row(str(summary.get("step")), _num(summary.get("tau")), _num(summary.get("tau_ngram")),
-              _num(summary.get("tau_sim")),
+              _num(summary.get("tau_sim")), _num(summary.get("tau_ref")),
               (_num(gap * 100, "{:+.0f}%") if gap is not None else "-") + (" FLAG" if summary.get("gap_flag") else ""),
               "yes" if summary.get("lossless") else "NO")
     return t

@@ -103,13 +103,13 @@ class SpecDecodeEvaluate(Stage):
                                      tie_tolerance=cfg.tie_tolerance)
             report["step"] = step if step is not None else report.get("step")
             report["final"] = bool(item.get("final"))
-            summary = {k: _round(report.get(k)) for k in ("tau", "tau_ngram", "tau_sim", "gap")}
+            summary = {k: _round(report.get(k)) for k in ("tau", "tau_ngram", "tau_sim", "tau_ref", "gap")}
             summary.update(gap_flag=report["gap_flag"], lossless=report["lossless"], step=report["step"],
                            report=(report.get("files") or {}).get("json"))
             ctx.summary.update(summary)
             ctx.emit({"type": "metrics", "step": report["step"], "eval_tau": report["tau"],
                       "eval_tau_ngram": report["tau_ngram"], "eval_tau_sim": report["tau_sim"],
-                      "eval_gap_flag": report["gap_flag"]})
+                      "eval_tau_ref": report["tau_ref"], "eval_gap_flag": report["gap_flag"]})
             for line in report["warnings"]:
                 ctx.logger.warning("step %s: %s", report["step"], line)
             ctx.progress(1, unit="checkpoints")

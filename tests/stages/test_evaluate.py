@@ -184,9 +184,10 @@ def test_cli_defaults_from_export(served, cli):
     assert rep["lossless"] is True and rep["num_prompts"] == 2 and rep["block_size"] == B
     assert rep["identical"] == 2 and rep["near_ties"] == []  # fp32: the decodes agree token for token
     assert rep["target"] == str(served["target"]) and rep["step"] == 30
-    for key in ("tau", "tau_ngram", "tau_sim", "gap", "gap_flag", "tau_histogram", "drafted", "accepted",
+    for key in ("tau", "tau_ngram", "tau_sim", "tau_ref", "gap", "gap_flag", "tau_histogram", "drafted", "accepted",
                 "per_prompt", "ngram", "ngram_split", "training", "warnings"):
         assert key in rep
+    assert rep["tau_ref"] == pytest.approx(rep["tau"])  # the served outputs are the reference
     assert len(rep["tau_histogram"]) == B + 1 and sum(rep["tau_histogram"]) == rep["cycles"]
     assert rep["training"]["steps"] == 30 and rep["training"]["tau_sim_train"] == pytest.approx(1.3)
     assert rep["generated_tokens"] == 12 and rep["tau"] >= 1
@@ -237,7 +238,7 @@ def test_stage_every_and_final(served, tmp_path):
     assert [r["step"] for r in reports] == [20, 30]  # 2nd checkpoint, then the final one
     assert all(r["kind"] == "eval_report" and r["lossless"] for r in reports)
     assert (tmp_path / "step-0000020" / "report.json").exists()
-    assert {"tau", "tau_ngram", "tau_sim", "gap_flag", "lossless"} <= set(ctx.summary)
+    assert {"tau", "tau_ngram", "tau_sim", "tau_ref", "gap_flag", "lossless"} <= set(ctx.summary)
     assert SpecDecodeEvaluate.report(ctx.summary) is not None
 
 
