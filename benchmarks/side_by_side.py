@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import yaml
 
@@ -222,9 +222,10 @@ def main() -> int:
 
     def rows_now() -> list[dict[str, Any]]:
         """A row per point trained so far, with the figures of the evaluations ended so far; ours are
-        compared prompt by prompt with the first reference point served (``vs_ref``)."""
+        compared prompt by prompt with the first reference point given that has trained (``vs_ref``)."""
         rows = []
-        ref = next((read_report(out / name / "eval" / "report.json") for name in figures if points[name][0]), {})
+        ref_name = reference_of([name for name in points if points[name][0]], figures)
+        ref = read_report(out / ref_name / "eval" / "report.json") if ref_name else {}
         for name, f in figures.items():
             rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
             rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
@@ -235,7 +236,8 @@ def main() -> int:
                                                     "num_prompts")},
                          "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
                          **split_figures(rep),
-                         "vs_ref": None if points[name][0] else {k: paired(ref, rep, k) for k in ("tau", "tau_ref")}})
+                         "vs_ref": None if points[name][0] or not ref_name else
+                         {"ref": ref_name, **{k: paired(ref, rep, k) for k in ("tau", "tau_ref")}}})
         return rows
 
     def on_exit(key: str | tuple[str, str], rc: int, seconds: float) -> dict | None:
@@ -281,6 +283,13 @@ def training_prompts(base: dict[str, Any], base_dir: Path) -> str:
     source = base["stages"]["download"]["params"]["source"]
     first = source[0] if isinstance(source, list) else source
     return str((base_dir / first).resolve())
+
+
+def reference_of(references: list[str], trained: Iterable[str]) -> str | None:
+    """The reference point ours are compared with: the first one given (command-line order) that has
+    trained, whichever ended first, so that every comparison of a run is with the same point."""
+    done = set(trained)
+    return next((name for name in references if name in done), None)
 
 
 def paired(ref: dict[str, Any], point: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -362,10 +371,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for r in rows:
             print(f"{r['point']:<16} {f(r, 'copy_share', '.2f'):>10} {f(r, 'tau_copy', '.2f'):>7} "
                   f"{f(r, 'tau_ngram_copy', '.2f'):>11} {f(r, 'tau_new', '.2f'):>6} {f(r, 'tau_ngram_new', '.2f'):>10}")
-    ref = next((r["point"] for r in rows if r["trainer"] == "specforge" and r.get("tau")), None)
     measures = (("tau", "served τ"), ("tau_ref", "τ on the reference text"))
     lines = [(r["point"], what, c) for r in rows for key, what in measures if (c := (r.get("vs_ref") or {}).get(key))]
-    if ref and lines:
+    if lines:
+        ref = next(r["vs_ref"]["ref"] for r in rows if r.get("vs_ref"))
         print(f"\nagainst {ref}, prompt by prompt (difference: point − {ref}, mean ± standard error)")
         for point, what, c in lines:
             print(f"{point:<16} {what:<24} ratio {c['ratio']:.3f}  difference {c['diff']:+.3f} ± {c['se']:.3f} "

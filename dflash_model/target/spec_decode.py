@@ -339,18 +339,20 @@ def tau_histogram(accepted: Iterable[int], block_size: int) -> list[int]:
     return hist
 
 
-def cycles_on_text(anchor_tau: Mapping[int, float], start: int, last_full: int) -> list[int]:
-    """The τ of each whole-block cycle a lossless decode of one fixed text makes: the first cycle
-    drafts from ``start`` (the first generated token's position), each next one from the previous
-    anchor plus its τ, up to the last anchor whose cycle has a whole block of draft budget
-    (``last_full``: prompt length + max_new_tokens − block_size − 1) or the first anchor without a
-    measured τ (the text ended). ``anchor_tau``: τ per anchor position, from :func:`teacher_forced_tau`.
-    Every drafter walked over the same text is scored on the same text."""
-    taus, a = [], start
-    while a <= last_full and a in anchor_tau:
-        taus.append(int(round(anchor_tau[a])))
-        a += taus[-1]
-    return taus
+def cycles_on_text(anchor_tau: Mapping[int, float], start: int, end: int, block_size: int) -> list[tuple[int, bool]]:
+    """The cycles a lossless decode of one fixed text makes, as (τ, whole block of budget) pairs: the
+    first cycle drafts from ``start`` (the first generated token's position), each next one from the
+    previous anchor plus its τ. ``end`` is prompt length + max_new_tokens: a cycle at anchor a may
+    draft up to end − a − 2 tokens (block_size − 1 at most; whole when it may draft that many), so its
+    τ is at most end − a − 1, and the decode stops once it has produced its last token (a ≥ end − 1)
+    or at an anchor without a measured τ (the text ended). ``anchor_tau``: τ per anchor position,
+    from :func:`teacher_forced_tau`. Every drafter walked over the same text is scored on it."""
+    cycles, a = [], start
+    while a < end - 1 and a in anchor_tau:
+        budget = min(block_size - 1, end - a - 2)
+        cycles.append((min(int(round(anchor_tau[a])), budget + 1), budget == block_size - 1))
+        a += cycles[-1][0]
+    return cycles
 
 
 @torch.no_grad()

@@ -270,3 +270,12 @@ def test_the_session_21_gap_to_specforge_is_inside_its_standard_error() -> None:
     got = paired(sf, ours, "tau")
     assert round(got["ratio"], 3) == 0.991 and round(got["diff"], 3) == -0.047 and round(got["se"], 3) == 0.051
     assert (got["n"], got["wins"], got["losses"]) == (64, 28, 35)
+
+
+def test_ours_are_compared_with_the_first_reference_given_that_has_trained() -> None:
+    from benchmarks.side_by_side import reference_of
+
+    refs = ["sf-s0", "sf-s1"]
+    assert reference_of(refs, ["ours", "sf-s1"]) == "sf-s1"  # the only one trained so far
+    assert reference_of(refs, ["sf-s1", "ours", "sf-s0"]) == "sf-s0"  # given first, though it ended later
+    assert reference_of(refs, ["ours"]) is None

@@ -357,16 +357,19 @@ def test_tau_serve_estimates_the_served_tau_where_tau_sim_all_does_not(target):
 
 
 def test_cycles_on_a_fixed_text_follow_each_anchors_tau():
-    """Each cycle starts where the last one's τ took the text; the walk stops past the last anchor
-    with a whole block of budget, or at an anchor with no measured τ (the text ended)."""
+    """Each cycle starts where the last one's τ took the text. With block 16 and 40 tokens to produce
+    after a 10-token prompt (end 50), a cycle at anchor a may draft min(15, 48 − a) tokens: whole up
+    to anchor 33, its τ capped at 49 − a; the decode stops once it has produced the last token, or at
+    an anchor with no measured τ (the text ended)."""
     from dflash_model.target.spec_decode import cycles_on_text
 
-    tau = {10: 3.0, 11: 1.0, 12: 5.0, 13: 2.0, 14: 1.0, 15: 16.0, 31: 1.0}
-    assert cycles_on_text(tau, 10, 40) == [3, 2, 16, 1]
-    assert cycles_on_text(tau, 10, 30) == [3, 2, 16]
-    assert cycles_on_text(tau, 10, 12) == [3]
-    assert cycles_on_text(tau, 11, 40) == [1, 5]  # 11 -> 12 -> 17: no τ measured there
-    assert cycles_on_text({}, 10, 40) == []
+    tau = {10: 3.0, 11: 1.0, 12: 5.0, 13: 2.0, 14: 1.0, 15: 16.0, 31: 1.0, 32: 12.0, 44: 16.0}
+    assert cycles_on_text(tau, 10, 50, 16) == [(3, True), (2, True), (16, True), (1, True), (12, True),
+                                              (5, False)]  # at 44: 4 drafts of budget, τ 16 capped at 5
+    # to produce 24 tokens: at 31 one draft of budget, at 32 none; the decode stops at 33
+    assert cycles_on_text(tau, 10, 34, 16) == [(3, True), (2, True), (16, True), (1, False), (1, False)]
+    assert cycles_on_text(tau, 11, 50, 16) == [(1, True), (5, True)]  # 11 -> 12 -> 17: no τ measured there
+    assert cycles_on_text({}, 10, 50, 16) == []
 
 
 def test_tau_ref_is_the_served_tau_where_the_output_is_the_reference(target, prompts):
@@ -410,7 +413,22 @@ def test_tau_ref_is_measured_on_the_reference_not_on_the_served_output(target, p
     embed, head = embeddings_and_head(target)
     for row, prompt, ref in zip(rep["per_prompt"], prompts, altered_refs):
         sim = teacher_forced_tau(drafter, target, prompt, ref, embed, head, list(drafter.config.target_layer_ids))
-        taus = cycles_on_text(sim["anchor_tau"], len(prompt), len(prompt) + 24 - drafter.block_size - 1)
+        taus = [t for t, whole in cycles_on_text(sim["anchor_tau"], len(prompt), len(prompt) + 24, B) if whole]
         assert row["tau_ref"] == pytest.approx(sum(taus) / len(taus))
         assert row["tau_sim"] == pytest.approx(row["tau"], abs=1e-6)
     assert any(abs(row["tau_ref"] - row["tau"]) > 0.1 for row in rep["per_prompt"])
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 3, 4])
+def test_tau_ref_counts_cycles_as_served_when_no_cycle_has_a_whole_block(target, prompts, max_new_tokens):
+    """With fewer tokens to produce than a block needs, served τ counts every cycle, each capped by
+    its budget; τ on the reference (here the served output) counts the same cycles."""
+    from dflash_stages.evaluate.drafter import evaluate_drafter
+
+    refs = [greedy_decode(target, p, 40) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts, refs)
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=max_new_tokens, baseline=False, batch_size=2)
+    assert rep["full_cycles"] == 0 and rep["identical"] == len(prompts)
+    for row in rep["per_prompt"]:
+        assert row["tau_ref"] == pytest.approx(row["tau"])
+    assert rep["tau_ref"] == pytest.approx(rep["tau"])
