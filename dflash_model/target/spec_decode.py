@@ -83,10 +83,6 @@ class DecodeResult:
         return len(self.accepted)
 
     @property
-    def mean_tau(self) -> float:
-        return sum(self.taus) / len(self.taus) if self.accepted else float("nan")
-
-    @property
     def full(self) -> list[bool]:
         """Per cycle: the draft budget was a whole block (not cut short by max_new_tokens)."""
         return [b == self.block_size - 1 for b in self.budget]
@@ -99,8 +95,16 @@ class DecodeResult:
     @property
     def tau(self) -> float:
         """Mean τ over the full-budget cycles, or over all cycles when none had a whole block."""
-        full = self.full_accepted
-        return (sum(full) + len(full)) / len(full) if full else self.mean_tau
+        return served_tau(zip(self.taus, self.full))
+
+
+def served_tau(cycles: Iterable[tuple[int, bool]]) -> float:
+    """Mean τ of (τ, whole block of draft budget) cycles as a served decode counts it: over the
+    cycles with a whole block, or over every cycle when none had one (the last cycles before
+    max_new_tokens are cut short and would bias short outputs down); nan without cycles."""
+    cycles = list(cycles)
+    pool = [t for t, whole in cycles if whole] or [t for t, _ in cycles]
+    return sum(pool) / len(pool) if pool else float("nan")
 
 
 # --------------------------------------------------------------------------- target forwards

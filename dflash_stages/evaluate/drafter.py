@@ -241,19 +241,16 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     the other's text never reaches), so ``tau_ref`` is also measured: the cycles a lossless decode
     of the greedy reference itself would make (:func:`cycles_on_text`), the same text for every
     drafter, which makes drafters comparable prompt by prompt."""
-    from dflash_model.target.spec_decode import cycles_on_text, teacher_forced_tau
+    from dflash_model.target.spec_decode import cycles_on_text, served_tau, teacher_forced_tau
 
-    at, every, on_ref, on_ref_any = [], [], [], []
+    at, every, on_ref = [], [], []
     for row, prompt, res, ref in zip(per_prompt, prompts, results, refs):
         sim_all = teacher_forced_tau(drafter, target, prompt, res.tokens, embed, head, layer_ids)
         sim_ref = (sim_all if list(res.tokens) == list(ref)
                    else teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids))
         cycles = cycles_on_text(sim_ref["anchor_tau"], len(prompt), len(prompt) + max_new_tokens, drafter.block_size)
-        full = [t for t, whole in cycles if whole]
-        taus = full or [t for t, _ in cycles]  # whole-block cycles, else every cycle: as DecodeResult.tau
-        row["tau_ref"] = sum(taus) / len(taus) if taus else float("nan")
-        on_ref.extend(full)
-        on_ref_any.extend(taus)
+        row["tau_ref"] = served_tau(cycles)
+        on_ref.extend(cycles)
         served = [sim_all["anchor_tau"][a] for a, f in zip(res.anchors, res.full) if f and a in sim_all["anchor_tau"]]
         sim = {"tau_sim": sum(served) / len(served) if served else float("nan"), "n_blocks": len(served)}
         row.update(tau_sim=sim["tau_sim"], tau_sim_all=sim_all["tau_sim"], tau_serve_all=sim_all["tau_serve"],
@@ -271,7 +268,7 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
 
     return {"tau_sim": weighted(at, "tau_sim"), "tau_sim_all": weighted(every, "tau_sim"),
             "tau_serve_all": harmonic(every), "sim_loss": weighted(every, "loss"), "sim_acc": weighted(every, "acc"),
-            "tau_ref": (sum(pool) / len(pool)) if (pool := on_ref or on_ref_any) else None}
+            "tau_ref": served_tau(on_ref) if on_ref else None}
 
 
 def add_warnings(report: dict[str, Any]) -> None:

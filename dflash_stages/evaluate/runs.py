@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from dflash_model.target.spec_decode import (NGRAM_MAX_N, DecodeResult, Drafter, ngram_match, speculative_decode,
-                                             tau_histogram)
+from dflash_model.target.spec_decode import (NGRAM_MAX_N, DecodeResult, Drafter, ngram_match, served_tau,
+                                             speculative_decode, tau_histogram)
 
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative logit gap under which a divergence counts as a near tie, by the target's dtype."""
@@ -64,7 +64,8 @@ class DecodeRun:
         full = [a for r in self.results for a in r.full_accepted]
         drafted = sum(sum(r.drafted) for r in self.results)
         generated = sum(len(r.tokens) for r in self.results)
-        return {"tau": mean_tau(full) if full else mean_tau(acc), "tau_all": mean_tau(acc),
+        return {"tau": served_tau((t, f) for r in self.results for t, f in zip(r.taus, r.full)),
+                "tau_all": mean_tau(acc),
                 "full_cycles": len(full), "cycles": len(acc), "drafted": drafted, "accepted": sum(acc),
                 "acceptance_rate": sum(acc) / drafted if drafted else None,
                 "tau_histogram": tau_histogram(acc, block_size), "generated_tokens": generated,
