@@ -10,7 +10,12 @@ Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``
 ``trainer=specforge`` makes it a reference point (default: ours), and ``serve_target=MODEL`` serves
 its export against MODEL (``evaluate --target``; e.g. a drafter trained on an FP8 target's features,
 served against the bf16 one) instead of the target it trained on; the values are written into the
-point's pipeline file (``NAME/pipeline.yaml`` in ``--out``). Every point runs the quality
+point's pipeline file (``NAME/pipeline.yaml`` in ``--out``). ``reuse=DIR`` (alone, or with
+``serve_target``) trains nothing: DIR is a point's folder from an earlier run (its ``pipeline.yaml``,
+``train.log``, metrics and export), whose export is served again in this run beside the new points,
+so that a reference trainer's deterministic run need not be repeated to be served with them.
+``--bundle DIR`` writes, as each training ends, ``DIR/NAME.tar.gz``: what ``reuse`` reads from the
+point's folder, to carry it off the machine (unpacked, it is a folder ``NAME``). Every point runs the quality
 pipeline file (default pipelines/quality_gpu.yaml) without its generate stage, from the same
 records (``--records``, generate's shards), through the same tokenize, pack and extract. Ours keep
 the file's train and checkpoint stages. A reference point replaces train with ``train:specforge``
@@ -35,8 +40,10 @@ import json
 import math
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import yaml
@@ -45,6 +52,47 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.quality_sweep import parse_point, point_pipeline, sweep_inputs, write_records  # noqa: E402
+
+
+@dataclass
+class Point:
+    """One side of the comparison. ``home`` holds its run (``run/``, ``train.log``, a reference's
+    ``export/``): its folder in --out, or the earlier run's folder it reuses, in which case ``cmd``
+    is None and it is only served."""
+    reference: bool
+    doc: dict[str, Any]
+    home: Path
+    cmd: list[str] | None
+
+
+def reused_pipeline(home: Path) -> tuple[bool, dict[str, Any]]:
+    """(is a reference point, its pipeline) of an earlier run's point folder, from the pipeline file
+    the side-by-side wrote there: train:specforge in it makes it a reference point."""
+    path = home / "pipeline.yaml"
+    if not path.is_file():
+        raise SystemExit(f"reuse={home}: no pipeline.yaml there; reuse takes a point's folder of an earlier "
+                         "side_by_side run (its --out/NAME)")
+    doc = yaml.safe_load(path.read_text())
+    return doc["stages"]["train"]["uses"] == "train:specforge", doc
+
+
+def reuse_files(home: Path) -> list[Path]:
+    """What ``reuse`` reads from a point's folder: its pipeline file, training log, metrics and final
+    export (ours: the last checkpoint's; a reference point's: ``export/``), without the checkpoints'
+    trainer state."""
+    files = [home / "pipeline.yaml", home / "train.log",
+             *(home / "run" / n for n in ("metrics.jsonl", "specforge_metrics.jsonl"))]
+    exports = sorted(glob.glob(str(home / "run" / "checkpoints" / "step-*" / "export")))
+    return [f for f in files + [Path(exports[-1]) if exports else home / "export"] if f.exists()]
+
+
+def write_bundle(home: Path, path: Path) -> Path:
+    """``reuse_files`` of ``home`` in a gzipped tar whose members sit under the point's name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for f in reuse_files(home):
+            tar.add(f, arcname=str(f.relative_to(home.parent)))
+    return path
 
 
 def reference_pipeline(ours: dict[str, Any], specforge: str, export: Path) -> dict[str, Any]:
@@ -103,14 +151,16 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
 def run_queued(starts: dict[Any, Callable[[], subprocess.Popen]], parallel: int = 0,
                on_exit: Callable[[Any, int, float], dict[Any, Callable[[], subprocess.Popen]] | None] | None = None,
                ) -> dict[Any, tuple[int, float]]:
-    """Start the processes in order, at most ``parallel`` at a time (0: all at once), each as soon as
-    a slot frees, and return each one's return code and wall clock from its own start (keys: a
-    point's name, or (name, evaluation) pairs). ``on_exit(key, returncode, seconds)`` is called as each ends;
+    """Start the processes in order, at most ``parallel`` trainings (keys that are a point's name) at
+    a time (0: all at once), each as soon as a slot frees, and return each one's return code and wall
+    clock from its own start. An evaluation (a (name, evaluation) key) does not take a slot: one
+    queued first starts at once. ``on_exit(key, returncode, seconds)`` is called as each ends;
     the processes it returns start at once, outside the limit, and are waited for and handed to
     ``on_exit`` in turn: a point's evaluations run beside the trainings still queued or running."""
     queue, running, done = list(starts.items()), {}, {}
     while queue or running:
-        while queue and (parallel <= 0 or sum(key in starts for key in running) < parallel):
+        while queue and (parallel <= 0 or isinstance(queue[0][0], tuple)
+                         or sum(not isinstance(key, tuple) for key in running) < parallel):
             key, start = queue.pop(0)
             running[key] = (start(), time.time())
         for key, (p, t0) in list(running.items()):
@@ -172,6 +222,9 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=0, metavar="N",
                     help="train at most N points at once, in the order given, each starting as one ends (default "
                          "0: all at once; 1: one after the other). A reference trainer slows most on a shared GPU")
+    ap.add_argument("--bundle", metavar="DIR",
+                    help="as each training ends, write DIR/NAME.tar.gz: what reuse=DIR/NAME needs to serve the "
+                         "point in a later run (pipeline file, training log, metrics, final export)")
     ap.add_argument("--train-prompts", type=int, default=0, metavar="N",
                     help="also serve each export on the first N prompts of the file's download source: "
                          "prompts it was trained on (under-fitting shows as τ there barely above held-out)")
@@ -185,30 +238,36 @@ def main() -> int:
     records = out / "records.jsonl"
     print(f"{write_records(shards, 1.0, records)} records from {len(shards)} shards", flush=True)
 
-    points = {}
+    points: dict[str, Point] = {}
     serve_targets: dict[str, str | None] = {}
     for text in args.points:
-        name, sets, reference, serve_targets[name] = point_spec(text)
+        name, sets, reference, serve_targets[name], reuse = point_spec(text)
         folder = out / name
         folder.mkdir(exist_ok=True)
+        if reuse:
+            if sets:
+                raise SystemExit(f"{name}: reuse= serves an earlier run's point as it was trained; it takes no "
+                                 f"pipeline keys ({', '.join(sets)})")
+            points[name] = Point(*reused_pipeline(Path(reuse).resolve()), Path(reuse).resolve(), None)
+            continue
         doc = point_pipeline(base, base_path.parent, records, folder / "run")
         doc = (reference_pipeline(doc, str(Path(args.specforge).resolve()), folder / "export") if reference
                else drop_evaluate(doc))
         doc = apply_sets(doc, sets)
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        points[name] = (reference, doc, pipeline_cmd(folder / "pipeline.yaml",
-                                                     "benchmarks.specforge_train" if reference else None))
+        points[name] = Point(reference, doc, folder, pipeline_cmd(folder / "pipeline.yaml",
+                                                                  "benchmarks.specforge_train" if reference else None))
 
     def point_figures(name: str, rc: int) -> dict[str, Any]:
-        reference, doc, _ = points[name]
-        run_dir = out / name / "run"
-        if reference:
-            return reference_figures(run_dir, out / name / "export")
+        p = points[name]
+        run_dir = p.home / "run"
+        if p.reference:
+            return reference_figures(run_dir, p.home / "export")
         if rc != 0:
             return {}
-        f = ours_figures(run_dir, drafter_config_of(run_dir), int(doc["stages"]["pack"]["params"]["tokens_per_row"]),
-                         int(doc["stages"]["train"]["params"].get("num_anchors", 512)))
-        return {**f, "peak_gib": train_peak(out / name / "train.log")}
+        f = ours_figures(run_dir, drafter_config_of(run_dir), int(p.doc["stages"]["pack"]["params"]["tokens_per_row"]),
+                         int(p.doc["stages"]["train"]["params"].get("num_anchors", 512)))
+        return {**f, "peak_gib": train_peak(p.home / "train.log")}
 
     def evaluations(name: str, export: str) -> dict[tuple[str, str], Callable[[], subprocess.Popen]]:
         return {(name, kind): (lambda kind=kind, prompts=prompts, n=n: run(
@@ -224,19 +283,20 @@ def main() -> int:
         """A row per point trained so far, with the figures of the evaluations ended so far; ours are
         compared prompt by prompt with the first reference point given that has trained (``vs_ref``)."""
         rows = []
-        ref_name = reference_of([name for name in points if points[name][0]], figures)
+        ref_name = reference_of([name for name in points if points[name].reference], figures)
         ref = read_report(out / ref_name / "eval" / "report.json") if ref_name else {}
         for name, f in figures.items():
             rep, train_rep = (read_report(out / name / kind / "report.json") for kind in ("eval", "eval_train"))
-            rows.append({"point": name, "trainer": "specforge" if points[name][0] else "ours",
+            rows.append({"point": name, "trainer": "specforge" if points[name].reference else "ours",
                          "serve_target": serve_targets[name],
+                         "reused": None if points[name].cmd else str(points[name].home),
                          "train_rc": trained[name][0], "pipeline_s": trained[name][1], **f,
                          "eval_rc": max((rc for k, rc in served.items() if k[0] == name), default=None),
                          **{k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "tau_ref", "lossless",
                                                     "num_prompts")},
                          "tau_train": train_rep.get("tau"), "tau_ngram_train": train_rep.get("tau_ngram"),
                          **split_figures(rep),
-                         "vs_ref": None if points[name][0] or not ref_name else
+                         "vs_ref": None if points[name].reference or not ref_name else
                          {"ref": ref_name, **{k: paired(ref, rep, k) for k in ("tau", "tau_ref")}}})
         return rows
 
@@ -251,22 +311,33 @@ def main() -> int:
             figures[key] = point_figures(key, rc)
             if figures[key].get("export"):
                 follow = evaluations(key, figures[key]["export"])
+                if args.bundle:
+                    print(f"bundle: {write_bundle(points[key].home, Path(args.bundle) / f'{key}.tar.gz')}", flush=True)
         (out / "side_by_side.json").write_text(json.dumps(rows_now(), indent=1))
         return follow
 
-    run_queued({name: (lambda name=name, cmd=cmd: run(cmd, out / name / "train.log"))
-                for name, (_, _, cmd) in points.items()}, args.parallel, on_exit)
+    starts: dict[Any, Callable[[], subprocess.Popen]] = {}
+    for name, p in points.items():  # a reused point's evaluations first: they take no training slot
+        if p.cmd is None:
+            trained[name], figures[name] = (0, None), point_figures(name, 0)
+            if not figures[name].get("export"):
+                raise SystemExit(f"reuse={p.home}: no export there to serve")
+            starts.update(evaluations(name, figures[name]["export"]))
+    starts.update({name: (lambda name=name, cmd=p.cmd: run(cmd, out / name / "train.log"))
+                   for name, p in points.items() if p.cmd})
+    run_queued(starts, args.parallel, on_exit)
     rows = rows_now()
     print_table(rows)
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
 
 
-def point_spec(text: str) -> tuple[str, dict[str, str], bool, str | None]:
+def point_spec(text: str) -> tuple[str, dict[str, str], bool, str | None, str | None]:
     """(name, pipeline sets, is a reference point, the target to serve against or None: the one it
-    trained on) of a ``NAME:KEY=VALUE,...`` argument; ``trainer`` and ``serve_target`` are no pipeline keys."""
+    trained on, the earlier run's point folder it reuses or None) of a ``NAME:KEY=VALUE,...``
+    argument; ``trainer``, ``serve_target`` and ``reuse`` are no pipeline keys."""
     name, sets = parse_point(text)
     reference = sets.pop("trainer", "ours") == "specforge"
-    return name, sets, reference, sets.pop("serve_target", None)
+    return name, sets, reference, sets.pop("serve_target", None), sets.pop("reuse", None)
 
 
 def evaluate_cmd(export: str, prompts: str, num_prompts: int, out: Path, max_new_tokens: int, batch_size: int,
@@ -365,6 +436,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ref', '.2f'):>5} "
               f"{f(r, 'tau_ngram', '.2f'):>6} {str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} "
               f"{f(r, 'tau_ngram_train', '.2f'):>12}")
+    for r in rows:
+        if r.get("reused"):
+            print(f"{r['point']}: trained in an earlier run ({r['reused']}), served in this one")
     if any(r.get("tau_copy") is not None for r in rows):
         print("\nwhere τ is lost (evaluate's n-gram split): cycles where n-gram had a match (copy) or none (new)")
         print(f"{'point':<16} {'copy share':>10} {'τ copy':>7} {'n-gram copy':>11} {'τ new':>6} {'n-gram new':>10}")

@@ -226,12 +226,13 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     from benchmarks.side_by_side import evaluate_cmd, point_spec
     from dflash_core.cli.main import build_parser
 
-    name, sets, reference, target = point_spec(
+    name, sets, reference, target, reuse = point_spec(
         "fp8feat:stages.extract.params.model=runs/smollm2-fp8,serve_target=smollm2")
-    assert (name, sets, reference, target) == ("fp8feat", {"stages.extract.params.model": "runs/smollm2-fp8"},
-                                               False, "smollm2")
+    assert (name, sets, reference, target, reuse) == (
+        "fp8feat", {"stages.extract.params.model": "runs/smollm2-fp8"}, False, "smollm2", None)
     assert point_spec("sf:trainer=specforge,stages.train.params.epochs=3") == (
-        "sf", {"stages.train.params.epochs": "3"}, True, None)
+        "sf", {"stages.train.params.epochs": "3"}, True, None, None)
+    assert point_spec("sf:reuse=saved/sf-10ep") == ("sf", {}, False, None, "saved/sf-10ep")
 
     def parsed(target: str | None):
         cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target)
@@ -279,3 +280,83 @@ def test_ours_are_compared_with_the_first_reference_given_that_has_trained() -> 
     assert reference_of(refs, ["ours", "sf-s1"]) == "sf-s1"  # the only one trained so far
     assert reference_of(refs, ["sf-s1", "ours", "sf-s0"]) == "sf-s0"  # given first, though it ended later
     assert reference_of(refs, ["ours"]) is None
+
+
+def test_an_evaluation_queued_first_takes_no_training_slot(tmp_path: Path) -> None:
+    """A reused point's evaluation, queued before the trainings, starts at once beside the first
+    training under --parallel 1; the second training still waits for the first."""
+    import subprocess
+    import sys
+
+    from benchmarks.side_by_side import run_queued
+
+    log = tmp_path / "log"
+    code = ("import sys, time; f = open(sys.argv[1], 'a'); f.write(f'start {sys.argv[2]}\\n'); f.flush(); "
+            "time.sleep(float(sys.argv[3])); f.write(f'end {sys.argv[2]}\\n')")
+
+    def start(name: str, seconds: float):
+        return lambda: subprocess.Popen([sys.executable, "-c", code, str(log), name, str(seconds)])
+
+    done = run_queued({("old", "eval"): start("old-eval", 3.0), "a": start("a", 0.2), "b": start("b", 0.2)}, 1)
+    assert {k: v[0] for k, v in done.items()} == {("old", "eval"): 0, "a": 0, "b": 0}
+    events = log.read_text().splitlines()
+    assert sorted(events[:2]) == ["start a", "start old-eval"]
+    assert events.index("end a") < events.index("start b") < events.index("end b") < events.index("end old-eval")
+
+
+def _point_folder(home: Path, reference: bool) -> Path:
+    """A point's folder as a side-by-side run leaves it: SpecForge's with export/, ours with two
+    checkpoints, each with its trainer state beside its export."""
+    train = {"uses": "train:specforge" if reference else "dflash", "after": "extract", "params": {}}
+    doc = {"version": 1, "stages": {"pack": {"uses": "best_fit", "params": {"tokens_per_row": 64}}, "train": train}}
+    (home / "run").mkdir(parents=True)
+    (home / "pipeline.yaml").write_text(yaml.safe_dump(doc))
+    (home / "train.log").write_text("train: done, peak 3.8 GiB\n")
+    (home / "run" / "state.json").write_text("{}")
+    if reference:
+        (home / "run" / "specforge_metrics.jsonl").write_text(json.dumps(
+            {"step": 10, "anchor_blocks": 500, "drafter_flop": 2e15, "elapsed_s": 4.0, "loss": 1.5, "acc": 0.5}) + "\n")
+        (home / "export").mkdir()
+        (home / "export" / "model.safetensors").write_bytes(b"sf")
+    else:
+        (home / "run" / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.5, "acc": 0.5}) + "\n")
+        for step in (5, 10):
+            ckpt = home / "run" / "checkpoints" / f"step-{step:07d}"
+            (ckpt / "export").mkdir(parents=True)
+            (ckpt / "export" / "model.safetensors").write_bytes(b"ours%d" % step)
+            (ckpt / "train_state.pt").write_bytes(b"state")
+    return home
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_a_bundle_holds_what_reuse_reads_and_unpacks_to_a_reusable_point(tmp_path: Path, reference: bool) -> None:
+    """--bundle packs the pipeline file, training log, metrics and the final export only (no
+    trainer state, no earlier checkpoint); unpacked elsewhere, reuse= reads the same kind of point
+    and the same figures from it, with the export where it was unpacked."""
+    import tarfile
+
+    from benchmarks.side_by_side import reference_figures, reused_pipeline, write_bundle
+
+    home = _point_folder(tmp_path / "run1" / "pt", reference)
+    bundle = write_bundle(home, tmp_path / "bundles" / "pt.tar.gz")
+    with tarfile.open(bundle) as tar:
+        names = sorted(m.name for m in tar.getmembers() if m.isfile())
+    final = ["pt/export/model.safetensors"] if reference else [
+        "pt/run/checkpoints/step-0000010/export/model.safetensors"]
+    metrics = "pt/run/specforge_metrics.jsonl" if reference else "pt/run/metrics.jsonl"
+    assert names == sorted(["pt/pipeline.yaml", "pt/train.log", metrics] + final)
+
+    with tarfile.open(bundle) as tar:
+        tar.extractall(tmp_path / "saved", filter="data")
+    moved = tmp_path / "saved" / "pt"
+    assert reused_pipeline(moved)[0] is reference
+    if reference:
+        got = reference_figures(moved / "run", moved / "export")
+        assert (got["steps"], got["anchors_per_step"], got["export"]) == (10, 50.0, str(moved / "export"))
+
+
+def test_reuse_refuses_a_folder_without_a_pipeline_file(tmp_path: Path) -> None:
+    from benchmarks.side_by_side import reused_pipeline
+
+    with pytest.raises(SystemExit, match="no pipeline.yaml"):
+        reused_pipeline(tmp_path)
