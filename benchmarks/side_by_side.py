@@ -10,26 +10,30 @@ Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``
 ``trainer=specforge`` makes it a reference point (default: ours), and ``serve_target=MODEL`` serves
 its export against MODEL (``evaluate --target``; e.g. a drafter trained on an FP8 target's features,
 served against the bf16 one) instead of the target it trained on; the values are written into the
-point's pipeline file (``NAME/pipeline.yaml`` in ``--out``). ``reuse=DIR`` (alone, or with
-``serve_target``) trains nothing: DIR is a point's folder from an earlier run (its ``pipeline.yaml``,
-``train.log``, metrics and export), whose export is served again in this run beside the new points,
-so that a reference trainer's deterministic run need not be repeated to be served with them.
-``--bundle DIR`` writes, as each training ends, ``DIR/NAME.tar.gz``: what ``reuse`` reads from the
-point's folder, to carry it off the machine (unpacked, it is a folder ``NAME``). Every point runs the quality
-pipeline file (default pipelines/quality_gpu.yaml) without its generate stage, from the same
-records (``--records``, generate's shards), through the same tokenize, pack and extract. Ours keep
-the file's train and checkpoint stages. A reference point replaces train with ``train:specforge``
-(benchmarks/specforge_train.py: SpecForge's own draft model, loss, anchors, optimizer and schedule,
-its small-target recipe), sets pack to one epoch and runs the file's epochs itself (set them with
-``stages.train.params.epochs``). As soon as a point's training ends, its final export is served
-with ``dflash-pipe evaluate`` (``--num-prompts``, ``--max-new-tokens``) on the file's held-out
-prompts, beside the trainings still running.
+point's pipeline file (``NAME/pipeline.yaml`` in ``--out``).
+
+``reuse=DIR`` (alone, or with ``serve_target``) trains nothing: DIR is a point's folder from an
+earlier run (its ``pipeline.yaml``, ``train.log``, metrics and export), whose export is served again
+in this run beside the new points, so that a reference trainer's deterministic run need not be
+repeated to be served with them. ``--bundle DIR`` writes, as each training ends,
+``DIR/NAME.tar.gz``: what ``reuse`` reads from the point's folder, to carry it off the machine
+(unpacked, it is a folder ``NAME``).
+
+Every point runs the quality pipeline file (default pipelines/quality_gpu.yaml) without its
+generate stage, from the same records (``--records``, generate's shards), through the same
+tokenize, pack and extract. Ours keep the file's train and checkpoint stages. A reference point
+replaces train with ``train:specforge`` (benchmarks/specforge_train.py: SpecForge's own draft
+model, loss, anchors, optimizer and schedule, its small-target recipe), sets pack to one epoch and
+runs the file's epochs itself (set them with ``stages.train.params.epochs``). As soon as a point's
+training ends, its final export is served with ``dflash-pipe evaluate`` (``--num-prompts``,
+``--max-new-tokens``) on the file's held-out prompts, beside the trainings still running.
 
 The points train at once (``--parallel N``: at most N at a time, in the order given), so with
-several on one GPU each wall clock is its own under that load. ``--train-prompts N`` also serves each export on the
-first N prompts it was trained on. Prints one table (steps, anchors, drafter compute, training
-time, peak memory, served τ, n-gram τ, lossless, and τ on training prompts), then where τ is
-lost (evaluate's n-gram split), and writes ``side_by_side.json`` in ``--out``.
+several on one GPU each wall clock is its own under that load. ``--train-prompts N`` also serves
+each export on the first N prompts it was trained on. Prints one table (steps, anchors, drafter
+compute, training time, peak memory, served τ, τ_ref, n-gram τ, lossless, and τ on training
+prompts), then where τ is lost (evaluate's n-gram split), then each of our points against the
+first reference point prompt by prompt, and writes ``side_by_side.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import yaml
