@@ -59,6 +59,9 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
     out: dict[str, Any] = {"steps": int(last["step"]), "records": len(recs),
                            "loss": last.get("loss"), "acc": last.get("acc"),
                            "tau_sim_train": last.get("tau_sim"), "tau_serve_train": last.get("tau_serve")}
+    val = [r for r in recs if r.get("val_tau_serve") is not None]
+    if val:  # the last window that measured validation documents (train validation_share)
+        out.update(tau_serve_val=val[-1]["val_tau_serve"], acc_val=val[-1].get("val_acc"))
     if "elapsed_s" in last:
         out["train_time_s"] = float(last["elapsed_s"])
     if "tokens" in last:

@@ -117,6 +117,10 @@ class TrainConfig:
         "help": "pad rows with fewer anchor candidates to num_anchors (fixed shapes, no recompiles)"})
     heldout: str | None = field(default=None, metadata={
         **PATH_FIELD, "help": "JSONL of held-out records, recorded in the export for 'dflash-pipe evaluate'"})
+    validation_share: float = field(default=0.0, metadata={
+        "help": "share of the documents never trained on, chosen by a hash of their tokens (the same ones in "
+                "every epoch, on every rank): the drafter is measured on them without a gradient, logged as "
+                "val_loss, val_acc, val_tau_sim and val_tau_serve, what it does on text it has not seen; 0 = off"})
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
@@ -141,6 +145,8 @@ class TrainConfig:
             raise ValueError("block_size >= 2, num_layers >= 1 and num_anchors >= 1 are required")
         if self.grad_clip is not None and self.grad_clip < 0:
             raise ValueError("grad_clip must be a positive norm, or null / 0 for no clip")
+        if not 0.0 <= self.validation_share < 1.0:
+            raise ValueError(f"validation_share must be in [0, 1), got {self.validation_share}")
 
 
 def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 
 MEANS = ("loss", "acc", "tau_sim", "tau_serve")
 """The per-row statistics a record averages over its window."""
+VALIDATION = tuple(f"val_{k}" for k in MEANS)
+"""The same of the validation documents (``validation_share``), in windows that measured some."""
 SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
 """The fields of the progress event (``step``: the trackers' x axis)."""
-TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s")
+TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s") + VALIDATION
 
 
 class MetricsLog:
@@ -41,6 +43,7 @@ class MetricsLog:
         self.path = metrics_path(ctx)
         self.tb: Any = None
         self.window: list[dict[str, torch.Tensor]] = []
+        self.val_window: list[dict[str, torch.Tensor]] = []
         self.grad_norm: torch.Tensor | float = float("nan")
         self.start()
 
@@ -68,6 +71,7 @@ class MetricsLog:
         """A step's rows join the window (a stream's last, partial step's too)."""
         self.tokens += stats.tokens
         self.window += stats.row_stats
+        self.val_window += stats.val_stats
         self.grad_norm = stats.grad_norm
 
     def stepped(self, step: int, total: int | None, stats: StepStats) -> None:
@@ -78,31 +82,41 @@ class MetricsLog:
             self.write(step, stats.lr)
 
     def write(self, step: int, lr: float) -> None:
-        """Write the window's record (none for a window without anchors) and start the next."""
+        """Write the window's record and start the next. A window without training anchors has no
+        record, and what it measured on validation documents goes into the next one."""
         if self.window:
             self._write(self.record(step, lr))
+            self.val_window = []
         self.window, self.window_from, self.window_start = [], self.tokens, now()
 
     def record(self, step: int, lr: float) -> dict[str, Any]:
         """The window's metrics record (``dflash_core.items.METRICS_RECORD``), as ``metrics.jsonl``
         holds it."""
         rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
-        means = torch.stack([torch.stack([w[k].double().cpu() for k in MEANS])
-                             for w in self.window]).mean(0).tolist()  # the one host sync of the window
-        return {"step": step, **dict(zip(MEANS, means)), "lr": lr, "grad_norm": float(self.grad_norm),
+        means = _means(self.window)  # the one host sync of the window (two with validation rows)
+        val = dict(zip(VALIDATION, _means(self.val_window))) if self.val_window else {}
+        return {"step": step, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
                 "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
                 "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
 
     def _write(self, record: dict[str, Any]) -> None:
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
                                 acc=round(record["acc"], 4))
+        if "val_tau_serve" in record:
+            self.ctx.summary.update(val_tau_serve=round(record["val_tau_serve"], 3),
+                                    val_acc=round(record["val_acc"], 4))
         self.ctx.emit({"type": "metrics", **{k: record[k] for k in SHOWN}})
         if self.ctx.rank == 0:
             append_metrics(self.path, record)
             if self.tb is not None:
-                for key in TENSORBOARD:
+                for key in (k for k in TENSORBOARD if k in record):
                     self.tb.add_scalar(f"train/{key}", record[key], record["step"])
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _means(window: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Each of ``MEANS`` averaged over the rows of a window, read back in one transfer."""
+    return torch.stack([torch.stack([w[k].double().cpu() for k in MEANS]) for w in window]).mean(0).tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -37,6 +37,21 @@ from dflash_stages.train.snapshots import SnapshotPolicy
 TRAIN_STATE = "train_state.pt"
 
 
+def validation_tokens(batch: FeatureBatch, share: float) -> torch.Tensor | None:
+    """[T] True on the tokens of ``batch``'s validation documents, or None where it has none. A
+    document is one when the hash of its tokens falls below ``share``: it depends on nothing but the
+    document, so it is one in every epoch, in any row, on every rank, and in every run."""
+    ids = batch.input_ids.numpy()
+    held = torch.zeros(len(ids), dtype=torch.bool)
+    start = 0
+    for n in (int(n) for n in batch.doc_lengths):
+        digest = hashlib.blake2b(ids[start:start + n].tobytes(), digest_size=8).digest()
+        if int.from_bytes(digest, "little") < share * 2 ** 64:
+            held[start:start + n] = True
+        start += n
+    return held if bool(held.any()) else None
+
+
 def _unmarked(_phase: str) -> None:
     """A step's phase marks when nobody times its phases (training)."""
 
@@ -57,6 +72,9 @@ class StepStats:
     """The global gradient norm before clipping."""
     lr: float
     """The learning rate the step took."""
+    val_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per row with validation documents (``validation_share``), at its first step: their ``loss``,
+    ``acc``, ``tau_sim``, ``tau_serve``, measured without a gradient."""
 
 
 class Trainer:
@@ -237,6 +255,7 @@ class Trainer:
         with "optimizer" after the step: where ``benchmarks/step_phases.py`` splits its time."""
         cfg = self.cfg
         row_stats: list[dict[str, torch.Tensor]] = []
+        val_stats: list[dict[str, torch.Tensor]] = []
         drawn: list[torch.Tensor] = []
         count = tokens = 0
         for micro, row in enumerate(rows):
@@ -244,6 +263,11 @@ class Trainer:
                 raise ValueError(f"train_step: more than rows_per_step ({cfg.rows_per_step}) rows")
             self.total = self.total or self.total_steps(row)
             batch = FeatureBatch.from_row(row, self.device)
+            held = validation_tokens(batch, cfg.validation_share) if cfg.validation_share else None
+            if held is not None:  # measured once a row, then left out of what it trains on
+                if self.step % cfg.steps_per_row == 0:
+                    val_stats += self._validate(replace(batch, loss_mask=batch.loss_mask * held), micro)
+                batch = replace(batch, loss_mask=batch.loss_mask * ~held)
             anchors = self._anchors(batch, micro)
             n = int(batch.features.shape[0])
             count, tokens = micro + 1, tokens + (0 if self.step % cfg.steps_per_row else n)
@@ -257,7 +281,8 @@ class Trainer:
         grad_norm, lr = self._optimizer_step(self.total)
         mark("optimizer")
         self.step += 1
-        return StepStats(rows=count, tokens=tokens, row_stats=row_stats, anchors=drawn, grad_norm=grad_norm, lr=lr)
+        return StepStats(rows=count, tokens=tokens, row_stats=row_stats, anchors=drawn, grad_norm=grad_norm, lr=lr,
+                         val_stats=val_stats)
 
     def _anchors(self, batch: FeatureBatch, micro: int) -> torch.Tensor:
         """The anchors of the step's ``micro``-th row, seeded by its place in the global batch:
@@ -271,6 +296,23 @@ class Trainer:
         gen = torch.Generator().manual_seed(hash((cfg.seed, first, slot)) & 0x7FFFFFFFFFFFFFFF)
         return sample_anchor_shares(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, cfg.steps_per_row,
                                     gen)[share]
+
+    def _validate(self, batch: FeatureBatch, micro: int) -> list[dict[str, torch.Tensor]]:
+        """The loss, acc, τ_sim and τ_serve of ``batch``'s supervised tokens (the row's validation
+        documents) without a gradient, on ``num_anchors`` anchors of their own, drawn with a seed of
+        their own: what the drafter does on text it never trained on. Empty without an anchor."""
+        cfg = self.cfg
+        slot = self.ctx.rank * cfg.rows_per_step + micro
+        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot, -1)) & 0x7FFFFFFFFFFFFFFF)
+        anchors = sample_anchor_shares(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, 1, gen)[0]
+        if anchors.numel() == 0:
+            return []
+        with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
+            out = drafter_loss(self.model, batch, anchors, self.embed, self.head, gamma=cfg.gamma,
+                               target=cfg.loss_target, chunk_rows=cfg.chunk_rows,
+                               pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
+                               compile_loss=self.compiled)
+        return [{"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve}]
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step

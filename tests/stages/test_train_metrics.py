@@ -80,3 +80,28 @@ def test_a_resumed_log_keeps_the_records_up_to_its_step(tmp_path: Path, clock: l
     fresh.open(0, resumed=False)  # a fresh run in the same directory starts it anew
     fresh.close()
     assert not path.exists()
+
+
+def test_validation_documents_are_averaged_into_the_next_record_that_is_written(tmp_path: Path,
+                                                                                 clock: list[float]) -> None:
+    """val_* average what the window measured on validation documents; a window that trained on
+    nothing (every document of its rows a validation one) writes no record, and what it measured
+    joins the next record instead of being lost."""
+    log = MetricsLog(StageContext(stage="train", config=None, run_dir=str(tmp_path), work_dir=str(tmp_path)),
+                     every=1)
+    log.open(0, resumed=False)
+
+    def val(tau: float) -> dict[str, torch.Tensor]:
+        return {"loss": torch.tensor(tau), "acc": torch.tensor(0.5), "tau_sim": torch.tensor(tau),
+                "tau_serve": torch.tensor(tau)}
+
+    steps = [stats([1.0], 10, 0.1, 1.0), stats([], 0, 0.1, 1.0), stats([2.0], 10, 0.1, 1.0), stats([3.0], 10, 0.1, 1.0)]
+    steps[0].val_stats.append(val(2.0))
+    steps[1].val_stats += [val(3.0), val(5.0)]  # nothing trained: no record of its own
+    for step, done in enumerate(steps, start=1):
+        log.add(done)
+        log.stepped(step, None, done)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3, 4]
+    assert [r.get("val_tau_serve") for r in records] == [2.0, 4.0, None]
+    assert all(METRICS_RECORD.matches(r) for r in records)

@@ -169,3 +169,84 @@ def test_steps_per_row_refuses_what_cannot_hold() -> None:
         SnapshotPolicy(every=10, steps_per_row=3)
     policy = SnapshotPolicy.for_trainer(0, {"checkpoint": {"snapshot_about_every": 10}}, 1, 1, 3)
     assert policy.every == 12 and policy.boundary(12) and not policy.boundary(13)
+
+
+def test_a_validation_document_is_chosen_by_its_tokens_alone() -> None:
+    """``validation_tokens``: whole documents, the same document chosen in any row at any place,
+    none at share 0, about ``share`` of many documents."""
+    import numpy as np
+
+    from dflash_model.drafter import FeatureBatch
+    from dflash_stages.train.trainer import validation_tokens
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 5000, n) for n in rng.integers(5, 40, 2000)]
+
+    def batch(chosen: list) -> FeatureBatch:
+        ids = torch.as_tensor(np.concatenate(chosen)).long()
+        return FeatureBatch(features=torch.zeros(len(ids), 1), input_ids=ids, loss_mask=torch.ones_like(ids),
+                            position_ids=torch.zeros_like(ids), doc_lengths=[len(d) for d in chosen])
+
+    def chosen(row: list, share: float) -> list[bool]:
+        held = validation_tokens(batch(row), share)
+        out, start = [], 0
+        for d in row:
+            part = torch.zeros(len(d), dtype=torch.bool) if held is None else held[start:start + len(d)]
+            assert bool(part.all()) or not bool(part.any())  # whole documents
+            out.append(bool(part.all()))
+            start += len(d)
+        return out
+
+    every = chosen(docs, 0.25)
+    assert 0.2 < sum(every) / len(docs) < 0.3
+    assert chosen(docs[::-1], 0.25) == every[::-1]  # other neighbours, other places
+    assert chosen(docs[5:9], 0.25) == every[5:9]
+    assert validation_tokens(batch(docs[:50]), 0.0) is None
+
+
+def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) -> None:
+    """With ``validation_share`` the trainer takes no anchor in a validation document and trains
+    exactly as on the same rows with those documents unsupervised; it measures them once a row
+    (at the row's first of ``steps_per_row`` steps) without a gradient, and the metrics record
+    averages what it measured as val_*."""
+    from dflash_model.drafter import FeatureBatch
+    from dflash_stages.train.trainer import validation_tokens
+
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, steps_per_row=2, log_every=2,
+                      validation_share=0.15)
+    target = tiny_qwen3()
+    rows = []
+    for i in range(ROWS):  # 6 documents a row, so that rows differ in how many are validation ones
+        cfg_rows = RandomRowsConfig(rows=ROWS, tokens_per_row=96, docs_per_row=6, vocab_size=499)
+        rows.append(dict(random_row(cfg_rows, i), kind="row",
+                         features=torch.randn(96, len(LAYERS) * target["hidden_size"],
+                                              generator=torch.Generator().manual_seed(i)),
+                         last_hidden=None, rows_per_epoch=ROWS, epochs=1, state={"position": i + 1},
+                         state_stage="pack"))
+    held = [validation_tokens(FeatureBatch.from_row(r, torch.device("cpu")), cfg.validation_share) for r in rows]
+    assert 0 < sum(h is not None for h in held) < ROWS
+    masked = [dict(r, loss_mask=torch.as_tensor(r["loss_mask"]).long() * (1 if h is None else ~h))
+              for r, h in zip(rows, held)]
+
+    measured = trainer(cfg, header(target, LAYERS), tmp_path / "val")
+    plain_cfg = TrainConfig(**{**cfg.__dict__, "validation_share": 0.0})
+    plain = trainer(plain_cfg, header(target, LAYERS), tmp_path / "plain")
+    for row, row_masked, h in zip(rows, masked, held):
+        for share in range(cfg.steps_per_row):
+            a, b = measured.train_step([row]), plain.train_step([row_masked])
+            assert torch.equal(a.anchors[0], b.anchors[0])
+            if h is not None:
+                assert not h[a.anchors[0]].any()  # no anchor in a validation document
+            assert len(a.val_stats) == (1 if h is not None and share == 0 else 0) and not b.val_stats
+            for s in a.val_stats:
+                assert torch.isfinite(s["loss"]) and 1.0 <= float(s["tau_serve"]) <= cfg.block_size
+            measured.metrics.add(a)
+            measured.metrics.stepped(measured.step, measured.total, a)
+    assert weights_digest(measured.model) == weights_digest(plain.model)
+
+    logged = [json.loads(line) for line in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == ROWS  # log_every 2: one record per row
+    for record, h in zip(logged, held):
+        assert ("val_tau_serve" in record) == (h is not None)
+    with pytest.raises(ValueError, match="validation_share"):
+        TrainConfig(validation_share=1.0)
