@@ -21,7 +21,7 @@ from dflash_core.devices import use_device
 from dflash_core.facts import tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
-from dflash_model.drafter import FeatureBatch, drafter_loss, sample_anchor_shares
+from dflash_model.drafter import FeatureBatch, LossOutput, drafter_loss, sample_anchor_shares
 from dflash_model.drafter.fp8_head import FP8LMHead
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
@@ -308,10 +308,7 @@ class Trainer:
         if anchors.numel() == 0:
             return []
         with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
-            out = drafter_loss(self.model, batch, anchors, self.embed, self.head, gamma=cfg.gamma,
-                               target=cfg.loss_target, chunk_rows=cfg.chunk_rows,
-                               pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
-                               compile_loss=self.compiled)
+            out = self._loss(batch, anchors)
         return [{"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve}]
 
     def save_compile_cache(self) -> str | None:
@@ -322,13 +319,18 @@ class Trainer:
             return None
         return self.cache_url if compile_cache.save(self.cache_url, self.ctx.logger) else None
 
+    def _loss(self, batch: FeatureBatch, anchors: torch.Tensor) -> LossOutput:
+        """The drafter's loss on ``batch`` at ``anchors`` as the configuration computes it."""
+        cfg = self.cfg
+        return drafter_loss(self.model, batch, anchors, self.embed, self.head, gamma=cfg.gamma,
+                            target=cfg.loss_target, chunk_rows=cfg.chunk_rows,
+                            pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
+                            compile_loss=self.compiled)
+
     def _forward_backward(self, batch: FeatureBatch, anchors: torch.Tensor,
                           mark: Callable[[str], None]) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        out = drafter_loss(self.model, batch, anchors, self.embed, self.head, gamma=cfg.gamma,
-                           target=cfg.loss_target, chunk_rows=cfg.chunk_rows,
-                           pad_anchors_to=cfg.num_anchors if cfg.pad_anchors else None,
-                           compile_loss=self.compiled)
+        out = self._loss(batch, anchors)
         mark("forward")
         (out.loss / cfg.rows_per_step).backward()
         mark("backward")
