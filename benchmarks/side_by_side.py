@@ -186,17 +186,21 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def ours_figures(run_dir: Path, drafter_cfg: Any, tokens_per_row: int, num_anchors: int) -> dict[str, Any]:
     """Steps, anchors, compute and training time of train:dflash, from its metrics log: every
-    step is one row of ``tokens_per_row`` tokens with ``num_anchors`` blocks (padded to that)."""
+    step is one row of ``tokens_per_row`` tokens with ``num_anchors`` blocks (padded to that). Also
+    its last ``tau_serve`` (on the rows it trains on) and, with ``validation_share``, the last
+    ``val_tau_serve`` (on documents it never trains on): what its served τ is to be read against."""
     from dflash_model.drafter import training_flops
 
     log = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r and "loss" in r]
     if not log:
         return {}
     steps = log[-1]["step"]
+    val = [r["val_tau_serve"] for r in log if r.get("val_tau_serve") is not None]
     exports = sorted(glob.glob(str(run_dir / "checkpoints" / "step-*" / "export")))
     return {"steps": steps, "anchors_per_step": num_anchors, "anchor_blocks": steps * num_anchors,
             "drafter_pflop": training_flops(drafter_cfg, tokens_per_row, num_anchors, 0)["step"] * steps / 1e15,
             "train_s": log[-1].get("elapsed_s"), "loss": log[-1]["loss"], "acc": log[-1]["acc"],
+            "tau_serve": log[-1].get("tau_serve"), "val_tau_serve": val[-1] if val else None,
             "export": exports[-1] if exports else None}
 
 
@@ -432,14 +436,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     print(f"\n{'point':<16} {'trainer':<9} {'steps':>6} {'anchors/step':>12} {'blocks':>9} {'PFLOP':>7} {'train s':>8} "
           f"{'pipeline s':>10} {'peak GiB':>8} {'loss':>6} {'acc':>5} {'τ':>5} {'τ ref':>5} {'n-gram':>6} "
-          f"{'lossless':>8} {'τ train':>7} {'n-gram train':>12}")
+          f"{'lossless':>8} {'τ train':>7} {'n-gram train':>12} {'τ_serve':>7} {'val τ_serve':>11}")
     for r in rows:
         print(f"{r['point']:<16} {r['trainer']:<9} {f(r, 'steps', 'd'):>6} {f(r, 'anchors_per_step', '.1f'):>12} "
               f"{f(r, 'anchor_blocks', '.3g'):>9} {f(r, 'drafter_pflop', '.1f'):>7} {f(r, 'train_s', '.0f'):>8} "
               f"{f(r, 'pipeline_s', '.0f'):>10} {f(r, 'peak_gib', '.1f'):>8} {f(r, 'loss', '.3f'):>6} "
               f"{f(r, 'acc', '.3f'):>5} {f(r, 'tau', '.2f'):>5} {f(r, 'tau_ref', '.2f'):>5} "
               f"{f(r, 'tau_ngram', '.2f'):>6} {str(r.get('lossless', '-')):>8} {f(r, 'tau_train', '.2f'):>7} "
-              f"{f(r, 'tau_ngram_train', '.2f'):>12}")
+              f"{f(r, 'tau_ngram_train', '.2f'):>12} {f(r, 'tau_serve', '.2f'):>7} {f(r, 'val_tau_serve', '.2f'):>11}")
     for r in rows:
         if r.get("reused"):
             print(f"{r['point']}: trained in an earlier run ({r['reused']}), served in this one")

@@ -360,3 +360,28 @@ def test_reuse_refuses_a_folder_without_a_pipeline_file(tmp_path: Path) -> None:
 
     with pytest.raises(SystemExit, match="no pipeline.yaml"):
         reused_pipeline(tmp_path)
+
+
+def test_our_figures_come_from_the_metrics_log_with_the_last_validation_tau(tmp_path: Path) -> None:
+    """ours_figures: steps and anchor blocks of the last record, the trainer's last tau_serve, and
+    the last val_tau_serve logged (a later window may have measured no validation document), with
+    the last checkpoint's export; no val_tau_serve without validation records."""
+    from benchmarks.side_by_side import ours_figures
+    from dflash_model.drafter import DrafterConfig
+
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=32, rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=512,
+                        vocab_size=100, num_target_layers=4, num_layers=1, block_size=4, target_layer_ids=[1],
+                        mask_token_id=3, layer_types=["full_attention"], sliding_window=None)
+    run = tmp_path / "run"
+    for step in (2, 4):
+        (run / "checkpoints" / f"step-{step:07d}" / "export").mkdir(parents=True)
+    records = [{"step": 2, "loss": 3.0, "acc": 0.1, "tau_serve": 1.5, "val_tau_serve": 1.2, "elapsed_s": 5.0},
+               {"step": 4, "loss": 2.0, "acc": 0.2, "tau_serve": 2.5, "elapsed_s": 9.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = ours_figures(run, cfg, 64, 8)
+    assert (got["steps"], got["anchor_blocks"], got["train_s"]) == (4, 32, 9.0)
+    assert (got["tau_serve"], got["val_tau_serve"]) == (2.5, 1.2)
+    assert got["export"].endswith("step-0000004/export")
+    (run / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
+    assert ours_figures(run, cfg, 64, 8)["val_tau_serve"] is None
