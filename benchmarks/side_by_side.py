@@ -190,17 +190,17 @@ def ours_figures(run_dir: Path, drafter_cfg: Any, tokens_per_row: int, num_ancho
     its last ``tau_serve`` (on the rows it trains on) and, with ``validation_share``, the last
     ``val_tau_serve`` (on documents it never trains on): what its served τ is to be read against."""
     from dflash_model.drafter import training_flops
+    from dflash_stages.evaluate.drafter import training_summary
 
     log = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r and "loss" in r]
     if not log:
         return {}
-    steps = log[-1]["step"]
-    val = [r["val_tau_serve"] for r in log if r.get("val_tau_serve") is not None]
+    steps, trained = log[-1]["step"], training_summary(log)
     exports = sorted(glob.glob(str(run_dir / "checkpoints" / "step-*" / "export")))
     return {"steps": steps, "anchors_per_step": num_anchors, "anchor_blocks": steps * num_anchors,
             "drafter_pflop": training_flops(drafter_cfg, tokens_per_row, num_anchors, 0)["step"] * steps / 1e15,
             "train_s": log[-1].get("elapsed_s"), "loss": log[-1]["loss"], "acc": log[-1]["acc"],
-            "tau_serve": log[-1].get("tau_serve"), "val_tau_serve": val[-1] if val else None,
+            "tau_serve": trained["tau_serve_train"], "val_tau_serve": trained.get("tau_serve_val"),
             "export": exports[-1] if exports else None}
 
 
@@ -256,7 +256,8 @@ def main() -> int:
             if sets:
                 raise SystemExit(f"{name}: reuse= serves an earlier run's point as it was trained; it takes no "
                                  f"pipeline keys ({', '.join(sets)})")
-            points[name] = Point(*reused_pipeline(Path(reuse).resolve()), Path(reuse).resolve(), None)
+            home = Path(reuse).resolve()
+            points[name] = Point(*reused_pipeline(home), home, None)
             continue
         doc = point_pipeline(base, base_path.parent, records, folder / "run")
         doc = (reference_pipeline(doc, str(Path(args.specforge).resolve()), folder / "export") if reference

@@ -52,6 +52,12 @@ def validation_tokens(batch: FeatureBatch, share: float) -> torch.Tensor | None:
     return held if bool(held.any()) else None
 
 
+def _row_stats(out: LossOutput) -> dict[str, torch.Tensor]:
+    """What a row's loss adds to the metrics window (``MEANS``). Tensors, not floats: reading them
+    back would stall the GPU every row (MetricsLog reads a window at once)."""
+    return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve}
+
+
 def _unmarked(_phase: str) -> None:
     """A step's phase marks when nobody times its phases (training)."""
 
@@ -308,8 +314,7 @@ class Trainer:
         if anchors.numel() == 0:
             return []
         with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
-            out = self._loss(batch, anchors)
-        return [{"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve}]
+            return [_row_stats(self._loss(batch, anchors))]
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step
@@ -334,9 +339,7 @@ class Trainer:
         mark("forward")
         (out.loss / cfg.rows_per_step).backward()
         mark("backward")
-        # tensors, not floats: reading them back would stall the GPU every row (MetricsLog reads a window at once)
-        return {"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "tau_serve": out.tau_serve,
-                "per_slot_acc": out.per_slot_acc}
+        return {**_row_stats(out), "per_slot_acc": out.per_slot_acc}
 
     def _optimizer_step(self, total: int | None) -> tuple[torch.Tensor, float]:
         params = [p for p in self.model.parameters()]
