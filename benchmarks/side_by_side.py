@@ -26,7 +26,9 @@ replaces train with ``train:specforge`` (benchmarks/specforge_train.py: SpecForg
 model, loss, anchors, optimizer and schedule, its small-target recipe), sets pack to one epoch and
 runs the file's epochs itself (set them with ``stages.train.params.epochs``). As soon as a point's
 training ends, its final export is served with ``dflash-pipe evaluate`` (``--num-prompts``,
-``--max-new-tokens``) on the file's held-out prompts, beside the trainings still running.
+``--max-new-tokens``) on the file's held-out prompts, beside the trainings still running. Before
+any point starts, each one to train is checked with ``dflash-pipe validate`` (its pipeline file and
+plugins): if one is refused, the script prints why and exits 2 with nothing started.
 
 The points train at once (``--parallel N``: at most N at a time, in the order given), so with
 several on one GPU each wall clock is its own under that load. ``--train-prompts N`` also serves
@@ -152,6 +154,19 @@ def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
     return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
 
 
+def refused(points: dict[str, Point]) -> dict[str, str]:
+    """The points to train whose run ``dflash-pipe validate`` refuses, each with validate's messages.
+    Checked before anything starts: a point whose overrides the run would refuse (a checkpoint
+    cadence its train stage cannot snapshot at) otherwise ends in seconds while the others train on,
+    spending GPU time on a comparison that can never be complete. Each is the point's own run
+    command with ``validate`` for ``run`` (the same pipeline file and ``-p`` plugins), all at once."""
+    procs = {name: subprocess.Popen([*p.cmd[:3], "validate", *p.cmd[4:]], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, cwd=REPO)
+             for name, p in points.items() if p.cmd}
+    outputs = {name: proc.communicate()[0] for name, proc in procs.items()}
+    return {name: outputs[name].strip() for name, proc in procs.items() if proc.returncode}
+
+
 def run_queued(starts: dict[Any, Callable[[], subprocess.Popen]], parallel: int = 0,
                on_exit: Callable[[Any, int, float], dict[Any, Callable[[], subprocess.Popen]] | None] | None = None,
                ) -> dict[Any, tuple[int, float]]:
@@ -266,6 +281,12 @@ def main() -> int:
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         points[name] = Point(reference, doc, folder, pipeline_cmd(folder / "pipeline.yaml",
                                                                   "benchmarks.specforge_train" if reference else None))
+
+    if bad := refused(points):
+        for name, messages in bad.items():
+            print(f"{name}: dflash-pipe validate refuses {points[name].home / 'pipeline.yaml'}\n{messages}\n")
+        print(f"nothing started: {', '.join(bad)} would fail (fix the point's keys)", flush=True)
+        return 2
 
     def point_figures(name: str, rc: int) -> dict[str, Any]:
         p = points[name]

@@ -385,3 +385,28 @@ def test_our_figures_come_from_the_metrics_log_with_the_last_validation_tau(tmp_
     assert got["export"].endswith("step-0000004/export")
     (run / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
     assert ours_figures(run, cfg, 64, 8)["val_tau_serve"] is None
+
+
+def test_a_point_validate_refuses_stops_the_run_before_any_point_trains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A point whose keys the run would refuse (checkpoints every 380 steps, 3 steps on each row) ends
+    the side-by-side with exit 2 and validate's message before any point, the valid ones (ours and a
+    reference point, validated with its -p plugin) included, has started: no process is launched and
+    each point's folder holds its pipeline file only."""
+    import sys
+
+    import benchmarks.side_by_side as sbs
+
+    shard = tmp_path / "shard-0.jsonl"
+    shard.write_text(json.dumps({"source": "train.jsonl", "line": 0, "text": "hi"}) + "\n")
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--records", str(shard), "--specforge", str(tmp_path),
+                                      "--out", str(out), "good:", "sf:trainer=specforge",
+                                      "bad:stages.train.params.steps_per_row=3"])
+    monkeypatch.setattr(sbs, "run", lambda cmd, log: pytest.fail(f"started {' '.join(cmd[3:])}"))
+    assert sbs.main() == 2
+    printed = capsys.readouterr().out
+    assert "bad: dflash-pipe validate refuses" in printed and "must be a multiple of 3" in printed
+    assert "good:" not in printed and "sf:" not in printed
+    for name in ("good", "sf", "bad"):
+        assert [p.name for p in (out / name).iterdir()] == ["pipeline.yaml"]
