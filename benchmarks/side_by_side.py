@@ -9,10 +9,12 @@ on the same held-out prompts.
 Each point is ``NAME:KEY=VALUE,...``: dotted keys set the point's pipeline as ``--set`` does, and
 ``trainer=specforge`` makes it a reference point (default: ours), and ``serve_target=MODEL`` serves
 its export against MODEL (``evaluate --target``; e.g. a drafter trained on an FP8 target's features,
-served against the bf16 one) instead of the target it trained on; the values are written into the
-point's pipeline file (``NAME/pipeline.yaml`` in ``--out``).
+served against the bf16 one) instead of the target it trained on, and ``gpu=N`` runs its training
+and evaluations on GPU N alone (``CUDA_VISIBLE_DEVICES``; default: what the environment sets), so
+that on a machine of several GPUs a slow reference point need not share one with ours; the pipeline
+values are written into the point's pipeline file (``NAME/pipeline.yaml`` in ``--out``).
 
-``reuse=DIR`` (alone, or with ``serve_target``) trains nothing: DIR is a point's folder from an
+``reuse=DIR`` (alone, or with ``serve_target`` and ``gpu``) trains nothing: DIR is a point's folder from an
 earlier run (its ``pipeline.yaml``, ``train.log``, metrics and export), whose export is served again
 in this run beside the new points, so that a reference trainer's deterministic run need not be
 repeated to be served with them. ``--bundle DIR`` writes, as each training ends,
@@ -44,13 +46,14 @@ import argparse
 import glob
 import json
 import math
+import os
 import subprocess
 import sys
 import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import yaml
 
@@ -64,11 +67,23 @@ from benchmarks.quality_sweep import parse_point, point_pipeline, sweep_inputs, 
 class Point:
     """One side of the comparison. ``home`` holds its run (``run/``, ``train.log``, a reference's
     ``export/``): its folder in --out, or the earlier run's folder it reuses, in which case ``cmd``
-    is None and it is only served."""
+    is None and it is only served. ``gpu``: the GPU its processes see alone, or None."""
     reference: bool
     doc: dict[str, Any]
     home: Path
     cmd: list[str] | None
+    gpu: str | None = None
+
+
+class PointSpec(NamedTuple):
+    """A ``NAME:KEY=VALUE,...`` argument taken apart: the keys that are no pipeline keys
+    (``trainer``, ``serve_target``, ``reuse``, ``gpu``) out of ``sets``."""
+    name: str
+    sets: dict[str, str]
+    reference: bool
+    serve_target: str | None
+    reuse: str | None
+    gpu: str | None
 
 
 def reused_pipeline(home: Path) -> tuple[bool, dict[str, Any]]:
@@ -145,9 +160,12 @@ def drop_evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def run(cmd: list[str], log: Path) -> subprocess.Popen:
-    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(cmd[2:])}", flush=True)
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+def run(cmd: list[str], log: Path, gpu: str | None = None) -> subprocess.Popen:
+    """Start ``cmd`` with its output in ``log``, seeing GPU ``gpu`` alone when one is given."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
+    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(cmd[2:])}" + (f" (GPU {gpu})" if gpu is not None else ""),
+          flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
 def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
@@ -264,7 +282,7 @@ def main() -> int:
     points: dict[str, Point] = {}
     serve_targets: dict[str, str | None] = {}
     for text in args.points:
-        name, sets, reference, serve_targets[name], reuse = point_spec(text)
+        name, sets, reference, serve_targets[name], reuse, gpu = point_spec(text)
         folder = out / name
         folder.mkdir(exist_ok=True)
         if reuse:
@@ -272,7 +290,7 @@ def main() -> int:
                 raise SystemExit(f"{name}: reuse= serves an earlier run's point as it was trained; it takes no "
                                  f"pipeline keys ({', '.join(sets)})")
             home = Path(reuse).resolve()
-            points[name] = Point(*reused_pipeline(home), home, None)
+            points[name] = Point(*reused_pipeline(home), home, None, gpu)
             continue
         doc = point_pipeline(base, base_path.parent, records, folder / "run")
         doc = (reference_pipeline(doc, str(Path(args.specforge).resolve()), folder / "export") if reference
@@ -280,7 +298,8 @@ def main() -> int:
         doc = apply_sets(doc, sets)
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         points[name] = Point(reference, doc, folder, pipeline_cmd(folder / "pipeline.yaml",
-                                                                  "benchmarks.specforge_train" if reference else None))
+                                                                  "benchmarks.specforge_train" if reference else None),
+                             gpu)
 
     if bad := refused(points):
         for name, messages in bad.items():
@@ -302,7 +321,7 @@ def main() -> int:
     def evaluations(name: str, export: str) -> dict[tuple[str, str], Callable[[], subprocess.Popen]]:
         return {(name, kind): (lambda kind=kind, prompts=prompts, n=n: run(
                     evaluate_cmd(export, prompts, n, out / name / kind, args.max_new_tokens, args.eval_batch_size,
-                                 serve_targets[name]), out / name / f"{kind}.log"))
+                                 serve_targets[name]), out / name / f"{kind}.log", points[name].gpu))
                 for kind, (prompts, n) in prompt_sets.items()}
 
     figures: dict[str, dict[str, Any]] = {}
@@ -353,7 +372,7 @@ def main() -> int:
             if not figures[name].get("export"):
                 raise SystemExit(f"reuse={p.home}: no export there to serve")
             starts.update(evaluations(name, figures[name]["export"]))
-    starts.update({name: (lambda name=name, cmd=p.cmd: run(cmd, out / name / "train.log"))
+    starts.update({name: (lambda name=name, p=p: run(p.cmd, out / name / "train.log", p.gpu))
                    for name, p in points.items() if p.cmd})
     run_queued(starts, args.parallel, on_exit)
     rows = rows_now()
@@ -361,13 +380,14 @@ def main() -> int:
     return 0 if all(r["train_rc"] == 0 and r["eval_rc"] == 0 for r in rows) else 1
 
 
-def point_spec(text: str) -> tuple[str, dict[str, str], bool, str | None, str | None]:
-    """(name, pipeline sets, is a reference point, the target to serve against or None: the one it
-    trained on, the earlier run's point folder it reuses or None) of a ``NAME:KEY=VALUE,...``
-    argument; ``trainer``, ``serve_target`` and ``reuse`` are no pipeline keys."""
+def point_spec(text: str) -> PointSpec:
+    """A ``NAME:KEY=VALUE,...`` argument: its pipeline sets, whether it is a reference point, the
+    target to serve against (None: the one it trained on), the earlier run's point folder it reuses
+    and the GPU it runs on (None for either: none)."""
     name, sets = parse_point(text)
     reference = sets.pop("trainer", "ours") == "specforge"
-    return name, sets, reference, sets.pop("serve_target", None), sets.pop("reuse", None)
+    return PointSpec(name, sets, reference, sets.pop("serve_target", None), sets.pop("reuse", None),
+                     sets.pop("gpu", None))
 
 
 def evaluate_cmd(export: str, prompts: str, num_prompts: int, out: Path, max_new_tokens: int, batch_size: int,

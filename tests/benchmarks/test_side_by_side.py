@@ -226,13 +226,11 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     from benchmarks.side_by_side import evaluate_cmd, point_spec
     from dflash_core.cli.main import build_parser
 
-    name, sets, reference, target, reuse = point_spec(
-        "fp8feat:stages.extract.params.model=runs/smollm2-fp8,serve_target=smollm2")
-    assert (name, sets, reference, target, reuse) == (
-        "fp8feat", {"stages.extract.params.model": "runs/smollm2-fp8"}, False, "smollm2", None)
-    assert point_spec("sf:trainer=specforge,stages.train.params.epochs=3") == (
-        "sf", {"stages.train.params.epochs": "3"}, True, None, None)
-    assert point_spec("sf:reuse=saved/sf-10ep") == ("sf", {}, False, None, "saved/sf-10ep")
+    assert point_spec("fp8feat:stages.extract.params.model=runs/smollm2-fp8,serve_target=smollm2") == (
+        "fp8feat", {"stages.extract.params.model": "runs/smollm2-fp8"}, False, "smollm2", None, None)
+    assert point_spec("sf:trainer=specforge,stages.train.params.epochs=3,gpu=1") == (
+        "sf", {"stages.train.params.epochs": "3"}, True, None, None, "1")
+    assert point_spec("sf:reuse=saved/sf-10ep") == ("sf", {}, False, None, "saved/sf-10ep", None)
 
     def parsed(target: str | None):
         cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target)
@@ -403,10 +401,43 @@ def test_a_point_validate_refuses_stops_the_run_before_any_point_trains(
     monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--records", str(shard), "--specforge", str(tmp_path),
                                       "--out", str(out), "good:", "sf:trainer=specforge",
                                       "bad:stages.train.params.steps_per_row=3"])
-    monkeypatch.setattr(sbs, "run", lambda cmd, log: pytest.fail(f"started {' '.join(cmd[3:])}"))
+    monkeypatch.setattr(sbs, "run", lambda cmd, log, gpu=None: pytest.fail(f"started {' '.join(cmd[3:])}"))
     assert sbs.main() == 2
     printed = capsys.readouterr().out
     assert "bad: dflash-pipe validate refuses" in printed and "must be a multiple of 3" in printed
     assert "good:" not in printed and "sf:" not in printed
     for name in ("good", "sf", "bad"):
         assert [p.name for p in (out / name).iterdir()] == ["pipeline.yaml"]
+
+
+def test_a_point_runs_its_training_and_evaluations_on_the_gpu_it_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gpu=N``: the process a point starts sees CUDA_VISIBLE_DEVICES=N (a real child reads it back),
+    for a training (ours, gpu=0) and for a reused point's evaluation (gpu=1); a point without it
+    inherits the environment's."""
+    import subprocess
+    import sys
+
+    import benchmarks.side_by_side as sbs
+
+    echo = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    for gpu, seen in (("1", "1"), (None, "7")):
+        sbs.run(echo, tmp_path / "log", gpu).wait()
+        assert (tmp_path / "log").read_text().strip() == seen
+
+    shard = tmp_path / "shard-0.jsonl"
+    shard.write_text(json.dumps({"source": "train.jsonl", "line": 0, "text": "hi"}) + "\n")
+    old = _point_folder(tmp_path / "saved" / "old", reference=True)
+    started: dict[str, str | None] = {}
+
+    def run(cmd: list[str], log: Path, gpu: str | None = None) -> subprocess.Popen:
+        started[f"{log.parent.name}/{log.name}"] = gpu
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+
+    monkeypatch.setattr(sbs, "run", run)
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--records", str(shard), "--specforge", str(tmp_path),
+                                      "--out", str(tmp_path / "out"), f"old:reuse={old},gpu=1", "new:gpu=0",
+                                      "plain:"])
+    assert sbs.main() == 1  # every process here exits 1
+    assert started == {"old/eval.log": "1", "new/train.log": "0", "plain/train.log": None}
