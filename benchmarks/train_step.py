@@ -15,6 +15,7 @@ anchors, B=16, 5 draft layers. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-
     python benchmarks/train_step.py --compile off        # eager layers and loss (flex still compiled)
     python benchmarks/train_step.py --adamw-kernel torch # torch's fused AdamW instead of the Triton one
     python benchmarks/train_step.py --lm-head fp8        # the loss's LM-head products in FP8 (lm_head_dtype)
+    python benchmarks/train_step.py --mlp fp8            # the draft layers' MLP products in FP8 (mlp_dtype)
     python benchmarks/train_step.py --no-master-weights  # AdamW on the bf16 weights (before session 16)
     python benchmarks/train_step.py --compile-cache DIR  # load/save the portable compile cache
     python benchmarks/train_step.py --cuda-graph         # + the step captured as a CUDA graph, replayed
@@ -171,7 +172,8 @@ def make_trainer(args: argparse.Namespace, s: dict[str, Any], backend: str, work
                       compile_cache=str(args.compile_cache) if args.compile_cache else None,
                       flex_kernel_options=args.flex_options, flex_tile=args.flex_tile,
                       adamw_kernel=args.adamw_kernel, master_weights=args.master_weights,
-                      chunk_rows=args.chunk_rows[0], lm_head_dtype=args.lm_head)
+                      chunk_rows=args.chunk_rows[0], lm_head_dtype=args.lm_head,
+                      mlp_dtype=args.mlp)
     ctx = StageContext(stage="train", config=cfg, device=args.device, run_dir=work, work_dir=work)
     trainer = Trainer(cfg, ctx, compile_options={"options": dict(args.inductor)} if args.inductor else None)
     trainer.setup(target_header(args.shape, s["embed"], s["lm_head"]))
@@ -246,7 +248,7 @@ def timed_steps(args: argparse.Namespace, backend: str, s: dict[str, Any], train
                   tokens=s["T"], anchors=s["N"], block_size=args.block_size, layers=args.layers, first_step_s=first,
                   first_step_phases_s=phases, first_step_peak_gib=first_peak, steps=args.steps,
                   flex_options=model.flex_kernel_options, flex_tile=model.flex_tile, adamw=type(opt).__name__,
-                  lm_head=args.lm_head, cuda_graph=None)
+                  lm_head=args.lm_head, mlp=args.mlp, cuda_graph=None)
     results = []
     for n in args.chunk_rows:
         trainer.cfg.chunk_rows = n  # read by every step
@@ -621,6 +623,8 @@ def main() -> int:
                    help="AdamW step: Triton kernels (auto on CUDA) or torch's fused AdamW")
     p.add_argument("--lm-head", default="model", choices=["model", "fp8"],
                    help="the loss's LM-head products in the drafter's dtype or through an FP8 copy of the head")
+    p.add_argument("--mlp", default="model", choices=["model", "fp8"],
+                   help="the draft layers' MLP products in the drafter's dtype or in FP8 (forward and input gradient)")
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="step the bf16 weights in place instead of float32 masters (the trainer's default)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default 5; tiny 1)")
@@ -659,7 +663,8 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_step.json").write_text(json.dumps({"results": results, "failures": failures}, indent=2))
-    print(f"\n--shape {args.shape}, LM-head products in {args.lm_head}; step ms: median of steps timed alone "
+    print(f"\n--shape {args.shape}, LM-head products in {args.lm_head}, MLP products in {args.mlp}; "
+          "step ms: median of steps timed alone "
           "(synced each); steady: steps back to back, as the trainer runs (tokens/s, TFLOP/s and MFU of those); "
           "loss chunks: LM-head chunks x rows")
     print(f"{'backend':8} {'compiled':>8} {'first step s':>12} {'loss chunks':>11} {'step ms':>9} {'steady ms':>9} "

@@ -32,7 +32,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tens
 
     Both come back contiguous (row-major) whatever the layout of ``x``: an elementwise op keeps a
     transposed input's layout, and cuBLASLt's FP8 product on Hopper takes its first operand
-    row-major and its second column-major only (``FP8LMHead._product``). The cast writes the
+    row-major and its second column-major only (``scaled_product``). The cast writes the
     row-major copy itself, so a transposed or strided ``x`` costs no extra copy of the fp8 tensor."""
     scale = scale_of(x.abs().amax(-1, keepdim=True).float(), dtype).contiguous()
     return to_fp8(x.float() / scale, dtype), scale
@@ -43,13 +43,31 @@ def _compiled_quantize_rows() -> Callable[..., tuple[torch.Tensor, torch.Tensor]
     return torch.compile(quantize_rows, dynamic=False)
 
 
-def _quantize_operand(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_operand(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` of a product's first operand: on CUDA one fused kernel (read once for
     the row maxima, once for the cast) rather than eager ops that make a float32 copy of it, which
     for a [3,840, 248,320] gradient chunk is 3.8 GB."""
     if x.is_cuda and not torch.compiler.is_compiling():
         return _compiled_quantize_rows()(x, dtype)
     return quantize_rows(x, dtype)
+
+
+def scaled_product(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b.T with b [N, K] e4m3 (row-major) and b_scale [1, N]; ``a`` is quantized row by
+    row to ``a_dtype`` on the way, its rows padded to a multiple of 16 with zeros (each row is
+    quantized on its own: padding changes no other row).
+
+    What cuBLASLt's FP8 product takes on Hopper (torch's CUDA ``_scaled_mm`` refuses anything
+    else; its CPU kernel takes any layout): the first operand row-major, the second column-major
+    (here ``b.t()`` of the row-major ``b``), row-wise scales float32 [M, 1] and [1, N], both
+    contiguous, and never e5m2 x e5m2. ``a`` may be any view (the loss's gradient chunk):
+    :func:`quantize_rows` writes its fp8 copy row-major."""
+    m = a.shape[0]
+    pad = -m % ALIGN
+    q, a_scale = quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a, a_dtype)
+    out = torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    return out[:m] if pad else out
 
 
 class FP8LMHead:
@@ -78,26 +96,10 @@ class FP8LMHead:
         self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # scale per hidden column; [1, H]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._product(h, FP8, self.by_row, self.row_scale)
+        return scaled_product(h, FP8, self.by_row, self.row_scale, self.dtype)
 
     def back(self, g: torch.Tensor) -> torch.Tensor:
-        return self._product(g, GRAD8, self.by_col, self.col_scale)
-
-    def _product(self, a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor
-                 ) -> torch.Tensor:
-        """a [M, K] @ b.T with b [N, K] e4m3 and b_scale [1, N]; rows padded to a multiple of 16
-        with zeros (each row is quantized on its own: padding changes no other row).
-
-        What cuBLASLt's FP8 product takes on Hopper (torch's CUDA ``_scaled_mm`` refuses anything
-        else; its CPU kernel takes any layout): the first operand row-major, the second column-major
-        (here ``b.t()`` of the row-major ``b``), row-wise scales float32 [M, 1] and [1, N], both
-        contiguous, and never e5m2 x e5m2. ``a`` may be any view (the loss's gradient chunk):
-        :func:`quantize_rows` writes its fp8 copy row-major."""
-        m = a.shape[0]
-        pad = -m % ALIGN
-        q, a_scale = _quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a, a_dtype)
-        out = torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=self.dtype)
-        return out[:m] if pad else out
+        return scaled_product(g, GRAD8, self.by_col, self.col_scale, self.dtype)
 
     def reference(self, a: torch.Tensor, back: bool = False) -> torch.Tensor:
         """``logits(a)`` (or ``back(a)``) in float64 from the dequantized operands: what the FP8

@@ -31,6 +31,7 @@ from torch import nn
 
 from dflash_model.drafter.attention import BACKENDS, attend, resolve_backend
 from dflash_model.drafter.config import SLIDING, DrafterConfig
+from dflash_model.drafter.fp8_linear import fits_fp8, fp8_linear
 from dflash_model.drafter.mask import TILE, BlockLayout
 from dflash_model.drafter.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -89,7 +90,9 @@ class DraftAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x))."""
+    """SwiGLU: down(act(gate(x)) * up(x)). ``fp8`` (off unless ``DFlashDrafter.use_fp8_mlp``):
+    its products through FP8 (fp8_linear.py), gate and up as one product; the weights stay as
+    they are."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -97,8 +100,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.fp8 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            gate, up = fp8_linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, -1)
+            return fp8_linear(self.act(gate) * up, self.down_proj.weight)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -199,6 +206,16 @@ class DFlashDrafter(nn.Module):
         self._feed_forward = torch.compile(_feed_forward, **any_rows)
         for norm in (self.hidden_norm, self.norm):  # context rows, output rows
             norm.compile(**any_rows)
+
+    def use_fp8_mlp(self) -> None:
+        """Train the draft layers' MLPs through FP8 products (``MLP``); call before
+        ``compile_layers``. Refused where ``torch._scaled_mm`` cannot take the sizes."""
+        H, inter = self.config.hidden_size, self.config.intermediate_size
+        if not fits_fp8(H, inter):
+            raise ValueError(f"an FP8 MLP needs the hidden ({H}) and intermediate ({inter}) sizes to be multiples "
+                             "of 16; use mlp_dtype: model")
+        for layer in self.layers:
+            layer.mlp.fp8 = True
 
     @property
     def block_size(self) -> int:

@@ -22,7 +22,7 @@ from dflash_model.fast.settings import AttnBackend, CompileSetting, DtypeName, c
 AdamWKernel = Literal["auto", "triton", "torch"]
 ADAMW_KERNELS = get_args(AdamWKernel)
 LossTarget = Literal["data", "target_argmax", "kl"]
-LMHeadDtype = Literal["model", "fp8"]
+ProductDtype = Literal["model", "fp8"]
 FlexTile = Literal["auto", 16, 32, 64, 128]
 
 
@@ -65,11 +65,17 @@ class TrainConfig:
         "help": "stop after this many optimizer steps (or sooner, when the data runs out); the "
                 "warmup and decay span it. Default: the pack stage's rows per epoch x epochs"})
     dtype: DtypeName = field(default="auto", metadata={"help": "auto = bf16 on CUDA, float32 on CPU"})
-    lm_head_dtype: LMHeadDtype = field(default="model", metadata={
+    lm_head_dtype: ProductDtype = field(default="model", metadata={
         "help": "the loss's LM-head products: model = in the drafter's dtype; fp8 = through an e4m3 copy of the "
                 "frozen head (row-wise scales, torch._scaled_mm; fast on FP8 tensor cores; vocabulary and hidden "
                 "size must be multiples of 16). 10% off the 27B-shape step; its effect on served tau is not "
                 "measured yet (docs/fp8_target.md)"})
+    mlp_dtype: ProductDtype = field(default="model", metadata={
+        "help": "the draft layers' MLP products while training: model = in the drafter's dtype; fp8 = the forward "
+                "and the input gradient through FP8 (each weight quantized row-wise at every step; the weight "
+                "gradient and the weights themselves stay in the drafter's dtype; hidden and intermediate sizes "
+                "multiples of 16). Exports are the same either way; its effect on served tau is not measured "
+                "yet (docs/fp8_target.md)"})
     loss_target: LossTarget = field(default="data", metadata={
         "help": "what each slot learns: data = the row's own tokens; target_argmax = the target's "
                 "greedy token; kl = the target's distribution (both need extract's last_hidden)"})
@@ -125,8 +131,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
             self.drafter_attention = DrafterAttention(**self.drafter_attention)
-        if self.lm_head_dtype not in get_args(LMHeadDtype):
-            raise ValueError(f"lm_head_dtype must be model or fp8, got {self.lm_head_dtype!r}")
+        for name in ("lm_head_dtype", "mlp_dtype"):
+            if getattr(self, name) not in get_args(ProductDtype):
+                raise ValueError(f"{name} must be model or fp8, got {getattr(self, name)!r}")
         if self.loss_target not in get_args(LossTarget):
             raise ValueError("loss_target must be data, target_argmax or kl")
         check_compile_setting(self.compile)

@@ -114,6 +114,8 @@ class Trainer:
         embed, head = header["embed_weight"], header["lm_head_weight"]
         torch.manual_seed(cfg.seed)
         model = build_drafter(header, cfg, self.ctx)
+        if cfg.mlp_dtype == "fp8":  # before tune_drafter compiles the layers
+            model.use_fp8_mlp()
         self.model = model.to(device=self.device, dtype=self.dtype)
         tuned = tune_drafter(self.model, self.device, self.dtype, kernel_options=cfg.flex_kernel_options,
                              tile=cfg.flex_tile, compile=compile_wanted(cfg.compile, self.device),
