@@ -386,8 +386,10 @@ def point_spec(text: str) -> PointSpec:
     and the GPU it runs on (None for either: none)."""
     name, sets = parse_point(text)
     reference = sets.pop("trainer", "ours") == "specforge"
-    return PointSpec(name, sets, reference, sets.pop("serve_target", None), sets.pop("reuse", None),
-                     sets.pop("gpu", None))
+    gpu = sets.pop("gpu", None)
+    if gpu is not None and not gpu.isdigit():  # anything else hides every GPU from the point alone
+        raise SystemExit(f"{name}: gpu={gpu!r}: give one GPU's index (gpu=0, gpu=1, ...)")
+    return PointSpec(name, sets, reference, sets.pop("serve_target", None), sets.pop("reuse", None), gpu)
 
 
 def evaluate_cmd(export: str, prompts: str, num_prompts: int, out: Path, max_new_tokens: int, batch_size: int,

@@ -39,24 +39,36 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tens
 
 
 @functools.cache
-def _compiled_quantize_rows() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(quantize_rows, dynamic=False)
+def _compiled_quantize_rows(dynamic: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return torch.compile(quantize_rows, dynamic=dynamic)
 
 
-def quantize_operand(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows` of a product's first operand: on CUDA one fused kernel (read once for
-    the row maxima, once for the cast) rather than eager ops that make a float32 copy of it, which
-    for a [3,840, 248,320] gradient chunk is 3.8 GB."""
+def quantize_operand(x: torch.Tensor, dtype: torch.dtype, dynamic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of a product's operand: on CUDA one fused kernel (read once for the
+    row maxima, once for the cast) rather than eager ops that make a float32 copy of it, which for
+    a [3,840, 248,320] gradient chunk is 3.8 GB. ``dynamic``: one kernel for any shape, for callers
+    whose operands come in many shapes (the MLP's weights, activations and gradients), which would
+    otherwise pass Dynamo's limit of compiles per function and fall back to the eager ops."""
     if x.is_cuda and not torch.compiler.is_compiling():
-        return _compiled_quantize_rows()(x, dtype)
+        return _compiled_quantize_rows(dynamic)(x, dtype)
     return quantize_rows(x, dtype)
 
 
+def second_operand(w: torch.Tensor, quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_rows
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] as :func:`scaled_product`'s second operand: e4m3 row-major, so that its
+    ``.t()`` is the column-major operand cuBLASLt wants, and its scales as [1, N], one per row."""
+    q, scale = quantize(w, FP8)
+    return q, scale.t().contiguous()
+
+
 def scaled_product(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b.T with b [N, K] e4m3 (row-major) and b_scale [1, N]; ``a`` is quantized row by
-    row to ``a_dtype`` on the way, its rows padded to a multiple of 16 with zeros (each row is
-    quantized on its own: padding changes no other row).
+                   out_dtype: torch.dtype, dynamic: bool = False) -> torch.Tensor:
+    """a [M, K] @ b.T with b [N, K] e4m3 (row-major) and b_scale [1, N] (:func:`second_operand`);
+    ``a`` is quantized row by row to ``a_dtype`` on the way (``quantize_operand``'s ``dynamic``),
+    its rows padded to a multiple of 16 with zeros (each row is quantized on its own: padding
+    changes no other row). Inside a compiled graph the padding is always there, of a size that
+    may be 0: a test of the row count would split the graph in two.
 
     What cuBLASLt's FP8 product takes on Hopper (torch's CUDA ``_scaled_mm`` refuses anything
     else; its CPU kernel takes any layout): the first operand row-major, the second column-major
@@ -65,9 +77,23 @@ def scaled_product(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_sca
     :func:`quantize_rows` writes its fp8 copy row-major."""
     m = a.shape[0]
     pad = -m % ALIGN
-    q, a_scale = quantize_operand(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a, a_dtype)
-    out = torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
-    return out[:m] if pad else out
+    if torch.compiler.is_compiling() or pad:
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+    q, a_scale = quantize_operand(a, a_dtype, dynamic)
+    return torch._scaled_mm(q, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)[:m]
+
+
+def reference_product(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_scale: torch.Tensor
+                      ) -> torch.Tensor:
+    """What :func:`scaled_product` computes, in float64 from the dequantized operands, up to its
+    accumulation order and the rounding of its output."""
+    q, a_scale = quantize_rows(a, a_dtype)
+    return (q.double() * a_scale.double()) @ (b.double() * b_scale.double().t()).t()
+
+
+def fits_fp8(*sizes: int) -> bool:
+    """Whether every inner and output size of a product is one ``torch._scaled_mm`` takes."""
+    return all(n % ALIGN == 0 for n in sizes)
 
 
 class FP8LMHead:
@@ -84,16 +110,13 @@ class FP8LMHead:
 
     def __init__(self, weight: torch.Tensor) -> None:
         V, H = weight.shape
-        if V % ALIGN or H % ALIGN:
+        if not fits_fp8(V, H):
             raise ValueError(f"an FP8 LM head needs its vocabulary ({V}) and hidden size ({H}) to be multiples "
                              f"of {ALIGN}; use lm_head_dtype: model")
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
         w = weight.detach()
-        # each copy [N, K] row-major, so that its .t() is the column-major second operand cuBLASLt wants
-        self.by_row, row_scale = quantize_rows(w)                # [V, H], one scale per vocabulary row
-        self.row_scale = row_scale.t().contiguous()              # [1, V]
-        by_col, col_scale = quantize_rows(w.t())                 # [H, V] (row-major: quantize_rows), one
-        self.by_col, self.col_scale = by_col, col_scale.t().contiguous()  # scale per hidden column; [1, H]
+        self.by_row, self.row_scale = second_operand(w)      # [V, H], one scale per vocabulary row
+        self.by_col, self.col_scale = second_operand(w.t())  # [H, V], one scale per hidden column
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return scaled_product(h, FP8, self.by_row, self.row_scale, self.dtype)
@@ -104,9 +127,9 @@ class FP8LMHead:
     def reference(self, a: torch.Tensor, back: bool = False) -> torch.Tensor:
         """``logits(a)`` (or ``back(a)``) in float64 from the dequantized operands: what the FP8
         product computes, up to its accumulation order and the rounding of its output."""
-        b, b_scale = (self.by_col, self.col_scale) if back else (self.by_row, self.row_scale)
-        q, a_scale = quantize_rows(a, GRAD8 if back else FP8)
-        return (q.double() * a_scale.double()) @ (b.double() * b_scale.double().t()).t()
+        if back:
+            return reference_product(a, GRAD8, self.by_col, self.col_scale)
+        return reference_product(a, FP8, self.by_row, self.row_scale)
 
 
 LMHead = torch.Tensor | FP8LMHead

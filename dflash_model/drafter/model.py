@@ -31,7 +31,8 @@ from torch import nn
 
 from dflash_model.drafter.attention import BACKENDS, attend, resolve_backend
 from dflash_model.drafter.config import SLIDING, DrafterConfig
-from dflash_model.drafter.fp8_linear import fits_fp8, fp8_linear
+from dflash_model.drafter.fp8_head import fits_fp8
+from dflash_model.drafter.fp8_linear import fp8_linear
 from dflash_model.drafter.mask import TILE, BlockLayout
 from dflash_model.drafter.rope import apply_rope, rope_cos_sin, rope_inv_freq
 

@@ -231,6 +231,9 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     assert point_spec("sf:trainer=specforge,stages.train.params.epochs=3,gpu=1") == (
         "sf", {"stages.train.params.epochs": "3"}, True, None, None, "1")
     assert point_spec("sf:reuse=saved/sf-10ep") == ("sf", {}, False, None, "saved/sf-10ep", None)
+    for bad in ("x", "", "-1"):
+        with pytest.raises(SystemExit, match="one GPU's index"):
+            point_spec(f"sf:gpu={bad}")
 
     def parsed(target: str | None):
         cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target)

@@ -42,6 +42,16 @@ def test_forward_and_input_gradient_are_the_math_of_their_dequantized_operands(r
     assert ((xx.grad - g @ w).norm() / (g @ w).norm()).item() < 0.10  # g in e5m2: 2 mantissa bits
 
 
+def test_leading_dimensions_are_rows_and_a_frozen_weight_gets_no_gradient() -> None:
+    x, w, g = operands(32)
+    xx = x.view(4, 8, 48).clone().requires_grad_(True)
+    y = fp8_linear(xx, w)  # w needs no gradient: only dx is computed
+    assert y.shape == (4, 8, 80) and torch.equal(y.view(32, 80), fp8_linear(x, w))
+    y.backward(g.view(4, 8, 80))
+    torch.testing.assert_close(xx.grad.view(32, 48).double(), reference_linear(x, w, g), rtol=1e-5, atol=1e-6)
+    assert w.grad is None
+
+
 def mlp_pair(hidden: int = 64, inter: int = 128) -> tuple[MLP, MLP]:
     cfg = DrafterConfig.from_target(tiny_qwen3(hidden=hidden) | {"intermediate_size": inter}, num_layers=1,
                                     block_size=4, target_layer_ids=None, mask_token_id=3)
@@ -112,12 +122,12 @@ def test_train_config_mlp_dtype() -> None:
 def test_the_fp8_mlp_compiles_to_one_graph_for_any_row_count_and_equals_eager() -> None:
     """The trainer compiles the MLP half with its row count dynamic (``compile_layers``): the FP8
     path traces (its autograd function, the quantization and ``_scaled_mm``) into one graph that
-    serves 40 and 24 rows, with the eager path's output and input gradient."""
+    serves 40, 48 (no padding) and 24 rows, with the eager path's output and input gradient."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _, fp8 = mlp_pair()
     compiled = torch.compile(lambda x: fp8(x))
-    for rows in (40, 24):
+    for rows in (40, 48, 24):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         torch._dynamo.maybe_mark_dynamic(xc, 0)
