@@ -168,18 +168,20 @@ def run(cmd: list[str], log: Path, gpu: str | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
-def pipeline_cmd(pipeline: Path, plugin: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "dflash_core.cli.main", "run"] + (["-p", plugin] if plugin else []) + [str(pipeline)]
+def pipeline_cmd(pipeline: Path, reference: bool, verb: str = "run") -> list[str]:
+    """``dflash-pipe VERB PIPELINE``, with the SpecForge stage's plugin for a reference point."""
+    plugin = ["-p", "benchmarks.specforge_train"] if reference else []
+    return [sys.executable, "-m", "dflash_core.cli.main", verb, *plugin, str(pipeline)]
 
 
 def refused(points: dict[str, Point]) -> dict[str, str]:
     """The points to train whose run ``dflash-pipe validate`` refuses, each with validate's messages.
     Checked before anything starts: a point whose overrides the run would refuse (a checkpoint
     cadence its train stage cannot snapshot at) otherwise ends in seconds while the others train on,
-    spending GPU time on a comparison that can never be complete. Each is the point's own run
-    command with ``validate`` for ``run`` (the same pipeline file and ``-p`` plugins), all at once."""
-    procs = {name: subprocess.Popen([*p.cmd[:3], "validate", *p.cmd[4:]], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    spending GPU time on a comparison that can never be complete. Each is checked as its run
+    reads it (the same pipeline file and plugins), all at once."""
+    procs = {name: subprocess.Popen(pipeline_cmd(p.home / "pipeline.yaml", p.reference, "validate"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
              for name, p in points.items() if p.cmd}
     outputs = {name: proc.communicate()[0] for name, proc in procs.items()}
     return {name: outputs[name].strip() for name, proc in procs.items() if proc.returncode}
@@ -297,9 +299,7 @@ def main() -> int:
                else drop_evaluate(doc))
         doc = apply_sets(doc, sets)
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        points[name] = Point(reference, doc, folder, pipeline_cmd(folder / "pipeline.yaml",
-                                                                  "benchmarks.specforge_train" if reference else None),
-                             gpu)
+        points[name] = Point(reference, doc, folder, pipeline_cmd(folder / "pipeline.yaml", reference), gpu)
 
     if bad := refused(points):
         for name, messages in bad.items():
