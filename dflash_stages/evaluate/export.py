@@ -19,13 +19,15 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
                     dtype: str = "auto", out_dir: str | None = None, metrics: str | None = None,
                     loaded_target: tuple[Any, Any] | None = None, baseline: bool = True,
                     gap_threshold: float = GAP_THRESHOLD, plot: bool = True, progress: Any = None,
-                    batch_size: int = 16, tie_tolerance: float | None = None) -> dict[str, Any]:
+                    batch_size: int = 16, tie_tolerance: float | None = None,
+                    reference_file: str | None = None) -> dict[str, Any]:
     """Evaluate an export directory as a server would; writes report.json (+ PNG) to ``out_dir``.
 
     Defaults come from the export's ``config.json`` ``dflash_pipe`` metadata (target, tokenizer,
     thinking, heldout prompts, metrics log). ``prompts`` may be a JSONL path or token-id lists;
     ``loaded_target`` = an already loaded (model, tokenizer) to reuse. Does not raise on a lossless
-    failure: check ``report["lossless"]``.
+    failure: check ``report["lossless"]``. ``reference_file``: a greedy reference shared with other
+    evaluations of the same target and prompts (``reference.py``).
     """
     from dflash_model.drafter import load_drafter
     from dflash_model.target.load import load_target, resolve_dtype
@@ -48,7 +50,8 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     pad = getattr(tok, "pad_token_id", None)
     report = evaluate_drafter(lm, drafter, prompt_ids, max_new_tokens, eos_ids(lm, tok), baseline=baseline,
                               gap_threshold=gap_threshold, batch_size=batch_size, tie_tolerance=tie_tolerance,
-                              pad_id=pad if pad is not None else 0, progress=progress)
+                              pad_id=pad if pad is not None else 0, progress=progress,
+                              reference_file=reference_file, target_name=str(target_ref))
     metrics_path = metrics or meta.get("metrics")
     records = read_metrics(metrics_path)
     report.update({"export": str(export), "step": meta.get("step"), "target": target_ref,

@@ -108,7 +108,7 @@ def render_table(report: Mapping[str, Any]) -> Any:
     ng = report.get("ngram") or {}
     head.add_row("τ (served, mean per cycle)", _num(report.get("tau")), _num(report.get("tau_ngram")))
     head.add_row("τ_sim (teacher-forced, the served blocks)", _num(report.get("tau_sim")), "")
-    head.add_row("τ_ref (a decode of the greedy reference: the same text for every drafter)",
+    head.add_row("τ_ref (a decode of the greedy reference: one text for the drafters that share it)",
                  _num(report.get("tau_ref")), "")
     head.add_row("τ_sim (teacher-forced, every anchor)", _num(report.get("tau_sim_all")), "")
     head.add_row("τ_serve (every anchor, harmonic: what a decode makes)", _num(report.get("tau_serve_all")), "")

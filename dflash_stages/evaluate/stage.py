@@ -23,8 +23,8 @@ class EvaluateConfig:
     every: int = field(default=1, metadata={
         "help": "Evaluate every N-th checkpoint (and always the final one)."})
     prompts: str | None = field(default=None, metadata={
-        **PATH_FIELD, "help": "JSONL of records (docs/tokenize.md, 'Input records'); default: the held-out set recorded in "
-                              "the export."})
+        **PATH_FIELD, "help": "JSONL of records (docs/tokenize.md, 'Input records'); default: the held-out set "
+                              "recorded in the export."})
     num_prompts: int = field(default=16, metadata={"help": "Prompts used (the first N of the file)."})
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per prompt."})
     target: str | None = field(default=None, metadata={

@@ -432,3 +432,67 @@ def test_tau_ref_counts_cycles_as_served_when_no_cycle_has_a_whole_block(target,
     for row in rep["per_prompt"]:
         assert row["tau_ref"] == pytest.approx(row["tau"])
     assert rep["tau_ref"] == pytest.approx(rep["tau"])
+
+
+def test_evaluations_naming_one_reference_file_share_one_greedy_text(served, cli, monkeypatch):
+    """``--reference FILE``: the first evaluation decodes the greedy reference and writes it; a later
+    one reads it and decodes none (τ_ref on the same text); a file of another prompt set or length is
+    refused with exit 2 and left as it was."""
+    from dflash_stages.evaluate import runs as eval_runs
+
+    ref_file = served["root"] / "refs" / "heldout.json"
+    args = ("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+            "--reference", ref_file)
+    first = cli(*args, "--out", served["root"] / "eval_ref1")
+    assert first.code == 0, first.text
+    written = json.loads(ref_file.read_text())
+    assert len(written["outputs"]) == 2 and written["target"] == str(served["target"])
+    rep1 = json.loads((served["root"] / "eval_ref1" / "report.json").read_text())
+    assert rep1["timing"]["greedy_s"] is not None and rep1["reference_file"] == str(ref_file)
+
+    def no_decode(*a, **k):
+        raise AssertionError("the reference was decoded again")
+
+    monkeypatch.setattr(eval_runs, "reference_decode", no_decode)
+    second = cli(*args, "--out", served["root"] / "eval_ref2")
+    assert second.code == 0, second.text
+    rep2 = json.loads((served["root"] / "eval_ref2" / "report.json").read_text())
+    assert rep2["timing"]["greedy_s"] is None and rep2["lossless"] is True
+    assert [r["tau_ref"] for r in rep2["per_prompt"]] == [r["tau_ref"] for r in rep1["per_prompt"]]
+
+    before = ref_file.read_bytes()
+    other = cli("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "5", "--device", "cpu",
+                "--reference", ref_file, "--out", served["root"] / "eval_ref3")
+    assert other.code == 2 and "holds the greedy reference of another" in other.text
+    assert ref_file.read_bytes() == before and not (served["root"] / "eval_ref3" / "report.json").exists()
+
+
+def test_a_shared_reference_is_decoded_once_by_concurrent_evaluations(tmp_path):
+    """Evaluations started together on one file: one decodes while the others wait on the file's
+    lock, then all return its outputs."""
+    import threading
+
+    from dflash_stages.evaluate.reference import reference_key, shared_reference
+
+    calls: list[int] = []
+    started = threading.Barrier(4)
+
+    def decode() -> tuple[list[list[int]], float]:
+        calls.append(1)
+        return [[len(calls), 7, 9]], 0.5
+
+    key = reference_key("tiny", "float32", [[1, 2, 3]], 3)
+    got: list[tuple[list[list[int]], float | None]] = []
+
+    def evaluation() -> None:
+        started.wait()
+        got.append(shared_reference(tmp_path / "ref.json", key, "tiny", decode))
+
+    threads = [threading.Thread(target=evaluation) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and [outputs for outputs, _ in got] == [[[1, 7, 9]]] * 4
+    assert sorted(s is None for _, s in got) == [False, True, True, True]  # one decoded, three read
+    assert key != reference_key("tiny", "bfloat16", [[1, 2, 3]], 3) != reference_key("tiny", "float32", [[1, 2]], 3)
