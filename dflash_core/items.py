@@ -238,6 +238,6 @@ METRICS_RECORD = ItemType("metrics record", (
     Field("val_loss", "mean loss over the window's validation documents (train validation_share)"),
     Field("val_acc", "mean draft accuracy over the window's validation documents"),
     Field("val_tau_sim", "mean simulated τ over the window's validation documents"),
-    Field("val_tau_serve", "mean whole-block τ over the window's validation documents"),
+    Field("val_tau_serve", "τ of a served decode walked over the window's validation documents"),
 ))
 """One line of a trainer's metrics JSONL (``<run_dir>/metrics.jsonl``); evaluate reads it."""

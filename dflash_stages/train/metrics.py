@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 
 MEANS = ("loss", "acc", "tau_sim", "tau_serve")
 """The per-row statistics a record averages over its window."""
+VAL_MEANS = ("loss", "acc", "tau_sim")
 VALIDATION = tuple(f"val_{k}" for k in MEANS)
-"""The same of the validation documents (``validation_share``), in windows that measured some."""
+"""The same of the validation documents (``validation_share``), in windows that measured some:
+``VAL_MEANS`` averaged over their rows, and ``val_tau_serve`` the τ of a served decode walked over
+all their text (``trainer.ServedWalk``), pooled over the window's cycles."""
 SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
 """The fields of the progress event (``step``: the trackers' x axis)."""
 TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s") + VALIDATION
@@ -43,7 +46,7 @@ class MetricsLog:
         self.path = metrics_path(ctx)
         self.tb: Any = None
         self.window: list[dict[str, torch.Tensor]] = []
-        self.val_window: list[dict[str, torch.Tensor]] = []
+        self.val_window: list[dict[str, Any]] = []
         self.grad_norm: torch.Tensor | float = float("nan")
         self.start()
 
@@ -93,11 +96,19 @@ class MetricsLog:
         """The window's metrics record (``dflash_core.items.METRICS_RECORD``), as ``metrics.jsonl``
         holds it."""
         rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
-        means = _means(self.window)  # the one host sync of the window (two with validation rows)
-        val = dict(zip(VALIDATION, _means(self.val_window))) if self.val_window else {}
+        means = _means(self.window)  # the one host sync of the window (more with validation rows)
+        val = self._validation() if self.val_window else {}
         return {"step": step, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
                 "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
                 "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
+
+    def _validation(self) -> dict[str, float]:
+        """The window's ``VALIDATION`` figures (see there)."""
+        from dflash_model.target.spec_decode import served_tau
+
+        val = {f"val_{k}": v for k, v in zip(VAL_MEANS, _means(self.val_window, VAL_MEANS))}
+        val["val_tau_serve"] = served_tau(c for v in self.val_window for c in v["walk"].cycles())
+        return val
 
     def _write(self, record: dict[str, Any]) -> None:
         self.ctx.summary.update(loss=round(record["loss"], 4), tau_sim=round(record["tau_sim"], 3),
@@ -117,6 +128,6 @@ class MetricsLog:
             self.tb.close()
 
 
-def _means(window: list[dict[str, torch.Tensor]]) -> list[float]:
-    """Each of ``MEANS`` averaged over the rows of a window, read back in one transfer."""
-    return torch.stack([torch.stack([w[k].double().cpu() for k in MEANS]) for w in window]).mean(0).tolist()
+def _means(window: list[dict[str, Any]], keys: tuple[str, ...] = MEANS) -> list[float]:
+    """Each of ``keys`` averaged over the rows of a window, read back in one transfer."""
+    return torch.stack([torch.stack([w[k].double().cpu() for k in keys]) for w in window]).mean(0).tolist()

@@ -21,7 +21,8 @@ from dflash_core.devices import use_device
 from dflash_core.facts import tokenizer_metadata
 from dflash_core.paths import resolve_path
 from dflash_core.resume import PIPELINE_STATE
-from dflash_model.drafter import FeatureBatch, LossOutput, drafter_loss, sample_anchor_shares
+from dflash_model.drafter import FeatureBatch, LossOutput, anchor_candidates, drafter_loss, sample_anchor_shares
+from dflash_model.drafter.anchors import resolve_doc_ids
 from dflash_model.drafter.fp8_head import FP8LMHead
 from dflash_model.fast import compile_cache, tune_drafter
 from dflash_model.fast.compile_gate import GATE
@@ -52,6 +53,47 @@ def validation_tokens(batch: FeatureBatch, share: float) -> torch.Tensor | None:
     return held if bool(held.any()) else None
 
 
+@dataclass
+class ServedWalk:
+    """The cycles a served decode would make on a row's validation text, from the τ at every one of
+    its anchors: each supervised span (a response) walked from its first token, each cycle's anchor
+    the last one's plus its τ (``cycles_on_text``, as evaluate's τ_ref walks the greedy reference).
+    Why not the harmonic mean of ``tau_serve``: at 10 epochs it read 20% below the served τ on the
+    served text itself, where the walk (τ_ref) read within 2% of it (docs/benchmarks.md, session 24).
+    The τ stay on the device until :meth:`cycles` reads them, once a metrics window."""
+
+    anchors: list[int]
+    """Every anchor of the validation tokens, up to ``num_anchors`` (the first, in order)."""
+    block_tau: torch.Tensor
+    """[len(anchors)] their τ, on the drafter's device."""
+    spans: list[tuple[int, int]]
+    """[start, end) of each run of supervised validation tokens within one document."""
+    block_size: int
+
+    def cycles(self) -> list[tuple[int, bool]]:
+        """(τ, whole block of budget) of every cycle of every span; a span's walk stops at its end
+        or at a position without a τ (past ``num_anchors``)."""
+        from dflash_model.target.spec_decode import cycles_on_text
+
+        tau = dict(zip(self.anchors, self.block_tau.tolist()))
+        return [c for start, end in self.spans for c in cycles_on_text(tau, start, end, self.block_size)]
+
+
+def supervised_spans(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised tokens that stays within one document."""
+    spans, start = [], None
+    mask, docs = loss_mask.tolist(), doc_ids.tolist()
+    for i, on in enumerate(mask):
+        if start is not None and (not on or docs[i] != docs[start]):
+            spans.append((start, i))
+            start = None
+        if on and start is None:
+            start = i
+    if start is not None:
+        spans.append((start, len(mask)))
+    return spans
+
+
 def _row_stats(out: LossOutput) -> dict[str, torch.Tensor]:
     """What a row's loss adds to the metrics window (``MEANS``). Tensors, not floats: reading them
     back would stall the GPU every row (MetricsLog reads a window at once)."""
@@ -78,9 +120,9 @@ class StepStats:
     """The global gradient norm before clipping."""
     lr: float
     """The learning rate the step took."""
-    val_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    val_stats: list[dict[str, Any]] = field(default_factory=list)
     """Per row with validation documents (``validation_share``), at its first step: their ``loss``,
-    ``acc``, ``tau_sim``, ``tau_serve``, measured without a gradient."""
+    ``acc``, ``tau_sim`` and ``walk`` (a :class:`ServedWalk`), measured without a gradient."""
 
 
 class Trainer:
@@ -263,7 +305,7 @@ class Trainer:
         with "optimizer" after the step: where ``benchmarks/step_phases.py`` splits its time."""
         cfg = self.cfg
         row_stats: list[dict[str, torch.Tensor]] = []
-        val_stats: list[dict[str, torch.Tensor]] = []
+        val_stats: list[dict[str, Any]] = []
         drawn: list[torch.Tensor] = []
         count = tokens = 0
         for micro, row in enumerate(rows):
@@ -274,7 +316,7 @@ class Trainer:
             held = validation_tokens(batch, cfg.validation_share) if cfg.validation_share else None
             if held is not None:  # measured once a row, then left out of what it trains on
                 if self.step % cfg.steps_per_row == 0:
-                    val_stats += self._validate(replace(batch, loss_mask=batch.loss_mask * held), micro)
+                    val_stats += self._validate(replace(batch, loss_mask=batch.loss_mask * held))
                 batch = replace(batch, loss_mask=batch.loss_mask * ~held)
             anchors = self._anchors(batch, micro)
             n = int(batch.features.shape[0])
@@ -305,18 +347,21 @@ class Trainer:
         return sample_anchor_shares(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, cfg.steps_per_row,
                                     gen)[share]
 
-    def _validate(self, batch: FeatureBatch, micro: int) -> list[dict[str, torch.Tensor]]:
-        """The loss, acc, τ_sim and τ_serve of ``batch``'s supervised tokens (the row's validation
-        documents) without a gradient, on ``num_anchors`` anchors of their own, drawn with a seed of
-        their own: what the drafter does on text it never trained on. Empty without an anchor."""
+    def _validate(self, batch: FeatureBatch) -> list[dict[str, Any]]:
+        """The loss, acc and τ_sim of ``batch``'s supervised tokens (the row's validation documents)
+        without a gradient, at every one of their anchors (the first ``num_anchors``), and the walk
+        of a served decode over them: what the drafter does on text it never trained on. Empty
+        without an anchor."""
         cfg = self.cfg
-        slot = self.ctx.rank * cfg.rows_per_step + micro
-        gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, slot, -1)) & 0x7FFFFFFFFFFFFFFF)
-        anchors = sample_anchor_shares(batch.loss_mask, batch.doc_lengths, cfg.num_anchors, 1, gen)[0]
+        docs = resolve_doc_ids(int(batch.loss_mask.shape[0]), batch.doc_lengths, batch.doc_ids, batch.loss_mask.device)
+        anchors = anchor_candidates(batch.loss_mask, docs)[:cfg.num_anchors]
         if anchors.numel() == 0:
             return []
         with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
-            return [_row_stats(self._loss(batch, anchors))]
+            out = self._loss(batch, anchors)
+        walk = ServedWalk(anchors.tolist(), out.block_tau[:anchors.numel()], supervised_spans(batch.loss_mask, docs),
+                          cfg.block_size)
+        return [{"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "walk": walk}]
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step

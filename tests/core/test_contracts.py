@@ -262,15 +262,18 @@ def test_the_trainers_metrics_record_is_the_one_evaluate_reads(tmp_path) -> None
     from dflash_core.items import METRICS_RECORD
     from dflash_stages.evaluate.drafter import training_summary
     from dflash_stages.train.metrics import MetricsLog
+    from dflash_stages.train.trainer import ServedWalk
 
     log = MetricsLog(StageContext(stage="train", config=None, run_dir=str(tmp_path)), every=1)
     stat = {k: torch.tensor(0.5) for k in ("loss", "acc", "tau_sim", "tau_serve")}
     log.add(SimpleNamespace(tokens=256, row_stats=[{**stat, "per_slot_acc": torch.ones(3)}],
-                            grad_norm=torch.tensor(1.0), val_stats=[{**stat, "tau_serve": torch.tensor(2.5)}]))
+                            grad_norm=torch.tensor(1.0),
+                            val_stats=[{**stat, "walk": ServedWalk(list(range(39)), torch.full((39,), 2.0), [(0, 40)],
+                                                                   16)}]))
     record = log.record(step=1, lr=1e-3)
     assert METRICS_RECORD.matches(record), set(METRICS_RECORD.names) - set(record)
     assert {n for n in record if n.startswith("val_")} <= {f.name for f in METRICS_RECORD.optional}
-    assert (record["val_tau_serve"], record["tau_serve"]) == (2.5, 0.5)
+    assert (record["val_tau_serve"], record["tau_serve"]) == (2.0, 0.5)
     log.write(1, 1e-3)
     log.add(SimpleNamespace(tokens=256, row_stats=[{**stat, "per_slot_acc": torch.ones(3)}],
                             grad_norm=torch.tensor(1.0), val_stats=[]))
@@ -278,7 +281,7 @@ def test_the_trainers_metrics_record_is_the_one_evaluate_reads(tmp_path) -> None
     assert "val_tau_serve" not in later  # a window without validation documents
     out = training_summary([record, later])
     assert (out["train_tokens"], out["train_time_s"]) == (512, later["elapsed_s"])
-    assert (out["tau_serve_train"], out["tau_serve_val"]) == (0.5, 2.5)  # the last window that measured some
+    assert (out["tau_serve_train"], out["tau_serve_val"]) == (0.5, 2.0)  # the last window that measured some
 
 
 def test_the_example_plugin_needs_no_dflash_stages() -> None:

@@ -17,7 +17,7 @@ from dflash_core import StageContext
 from dflash_core.items import METRICS_RECORD
 from dflash_stages.train import metrics
 from dflash_stages.train.metrics import MetricsLog
-from dflash_stages.train.trainer import StepStats
+from dflash_stages.train.trainer import ServedWalk, StepStats
 
 
 def stats(losses: list[float], tokens: int, lr: float, grad_norm: float) -> StepStats:
@@ -91,9 +91,9 @@ def test_validation_documents_are_averaged_into_the_next_record_that_is_written(
                      every=1)
     log.open(0, resumed=False)
 
-    def val(tau: float) -> dict[str, torch.Tensor]:
+    def val(tau: float) -> dict[str, Any]:  # a 40-token response with τ at every anchor
         return {"loss": torch.tensor(tau), "acc": torch.tensor(0.5), "tau_sim": torch.tensor(tau),
-                "tau_serve": torch.tensor(tau)}
+                "walk": ServedWalk(list(range(39)), torch.full((39,), tau), [(0, 40)], 16)}
 
     steps = [stats([1.0], 10, 0.1, 1.0), stats([], 0, 0.1, 1.0), stats([2.0], 10, 0.1, 1.0), stats([3.0], 10, 0.1, 1.0)]
     steps[0].val_stats.append(val(2.0))
@@ -103,5 +103,8 @@ def test_validation_documents_are_averaged_into_the_next_record_that_is_written(
         log.stepped(step, None, done)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
-    assert [r.get("val_tau_serve") for r in records] == [2.0, 4.0, None]
+    # pooled over the window's cycles with a whole block of budget (anchor <= 40 - 16 - 1): τ 3 at
+    # 0, 3, ..., 21 (8 cycles) and τ 5 at 0, 5, ..., 20 (5 cycles), not the mean of the two rows
+    assert [r.get("val_tau_serve") for r in records] == [2.0, pytest.approx(49 / 13), None]
+    assert [r.get("val_tau_sim") for r in records] == [2.0, 4.0, None]
     assert all(METRICS_RECORD.matches(r) for r in records)

@@ -210,6 +210,7 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
     (at the row's first of ``steps_per_row`` steps) without a gradient, and the metrics record
     averages what it measured as val_*."""
     from dflash_model.drafter import FeatureBatch
+    from dflash_model.target.spec_decode import served_tau
     from dflash_stages.train.trainer import validation_tokens
 
     cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, steps_per_row=2, log_every=2,
@@ -239,7 +240,7 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
                 assert not h[a.anchors[0]].any()  # no anchor in a validation document
             assert len(a.val_stats) == (1 if h is not None and share == 0 else 0) and not b.val_stats
             for s in a.val_stats:
-                assert torch.isfinite(s["loss"]) and 1.0 <= float(s["tau_serve"]) <= cfg.block_size
+                assert torch.isfinite(s["loss"]) and 1.0 <= served_tau(s["walk"].cycles()) <= cfg.block_size
             measured.metrics.add(a)
             measured.metrics.stepped(measured.step, measured.total, a)
     assert weights_digest(measured.model) == weights_digest(plain.model)
@@ -250,3 +251,52 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
         assert ("val_tau_serve" in record) == (h is not None)
     with pytest.raises(ValueError, match="validation_share"):
         TrainConfig(validation_share=1.0)
+
+
+def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Path) -> None:
+    """val_tau_serve is what a served decode would make on the validation documents: each response
+    walked from its first token, every next cycle at the last anchor plus its τ (capped by the
+    tokens left), counted over the cycles with a whole block. Each anchor's τ is taken here from the
+    drafter on that one block alone, before the step trains."""
+    from dataclasses import replace
+
+    from dflash_model.drafter import FeatureBatch
+    from dflash_stages.train.trainer import validation_tokens
+
+    B = 4
+    cfg = TrainConfig(num_layers=1, block_size=B, num_anchors=96, lr=1e-2, log_every=1, validation_share=0.5)
+    target = tiny_qwen3()
+    rows_cfg = RandomRowsConfig(rows=ROWS, tokens_per_row=96, docs_per_row=3, vocab_size=499)
+    features = torch.randn(96, len(LAYERS) * target["hidden_size"], generator=torch.Generator().manual_seed(1))
+    row = dict(random_row(rows_cfg, 1), kind="row", last_hidden=None, rows_per_epoch=ROWS, epochs=1,
+               features=features, state={"position": 2}, state_stage="pack")
+    tr = trainer(cfg, header(target, LAYERS), tmp_path / "val")
+    learnt = trainer(replace(cfg, validation_share=0.0, total_steps=200, warmup_ratio=0.0), header(target, LAYERS),
+                     tmp_path / "learnt")
+    for _ in range(45):  # the row half by heart, its validation documents too: τ of 1 to B to walk over
+        learnt.train_step([row])
+    tr.model.load_state_dict(learnt.model.state_dict())
+    batch = FeatureBatch.from_row(row, torch.device("cpu"))
+    held = validation_tokens(batch, cfg.validation_share)
+    assert held is not None and not bool(held.all())
+    val = replace(batch, loss_mask=batch.loss_mask * held)
+    mask, docs = val.loss_mask.tolist(), [d for d, n in enumerate(batch.doc_lengths) for _ in range(n)]
+    tau = {a: round(float(tr._loss(val, torch.tensor([a])).block_tau[0]))
+           for a in range(95) if mask[a] and mask[a + 1] and docs[a] == docs[a + 1]}
+    cycles = []
+    for start in (i for i in range(96) if mask[i] and (i == 0 or not mask[i - 1] or docs[i - 1] != docs[i])):
+        end = next((j for j in range(start, 96) if not mask[j] or docs[j] != docs[start]), 96)
+        a = start
+        while a < end - 1:
+            budget = min(B - 1, end - a - 2)
+            cycles.append((min(tau[a], budget + 1), budget == B - 1))
+            a += cycles[-1][0]
+    whole = [t for t, w in cycles if w]
+    assert len(whole) < len(cycles) and {1, B} <= set(whole)
+
+    step = tr.train_step([row])
+    tr.metrics.add(step)
+    tr.metrics.stepped(tr.step, tr.total, step)
+    record = json.loads((tmp_path / "val" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["val_tau_serve"] == pytest.approx(sum(whole) / len(whole))
+    assert record["val_tau_sim"] > record["val_tau_serve"] + 0.5  # the mean over every anchor is another figure
