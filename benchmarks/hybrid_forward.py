@@ -21,6 +21,7 @@ A table comes last.
     python benchmarks/hybrid_forward.py
     python benchmarks/hybrid_forward.py --config qwen3_5_text.json --tokens 8192 --reps 10
     python benchmarks/hybrid_forward.py --fp8                        # FP8 linear layers
+    python benchmarks/hybrid_forward.py --fp8 --tokens 16384 --profile $OUT/prof   # + where the time goes
     python benchmarks/hybrid_forward.py --device cpu --tiny          # smoke test, fp32, seconds
 """
 
@@ -50,6 +51,7 @@ from dflash_model.target.linear_attention import fla_kernels
 from dflash_model.target.load import PRESETS
 from dflash_model.target.packed_attention import row_attention_mask
 from online import timed  # noqa: E402  (benchmarks/ is the script's directory)
+from train_step import profile_steps  # noqa: E402
 
 QWEN36_27B = PRESETS["qwen3.6-27b"]
 """The text model of Qwen3.6-27B (the ``random:qwen3.6-27b`` preset; its layer types come from
@@ -125,12 +127,16 @@ def main() -> int:
     p.add_argument("--fp8", action="store_true", help="the linear layers in Qwen's block-scaled FP8 format "
                    "(the published Qwen3.6-27B-FP8's; dflash_model.target.fp8)")
     p.add_argument("--tokens", default=None, help="row lengths, comma-separated (default 8192,16384; tiny 256)")
-    p.add_argument("--layers", default=None, help="feature layer ids (default: 5 spread over the layers, docs/drafter.md, 'Math')")
+    p.add_argument("--layers", default=None,
+                   help="feature layer ids (default: 5 spread over the layers, docs/drafter.md, 'Math')")
     p.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 elsewhere")
     p.add_argument("--attn", default="auto", help="auto (packed_flex on CUDA) | sdpa | packed_flex")
     p.add_argument("--compile", default="auto", help="compile the decoder layers for the timing: auto | on | off")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="directory for profiler tables of 2 more forwards a row length: top kernels, kernel kinds, "
+                        "products by shape (where the FP8 target's time goes, beside its products)")
     args = p.parse_args()
     dev = torch.device(args.device)
     tokens = [int(t) for t in (args.tokens or ("256" if args.tiny else "8192,16384")).split(",")]
@@ -175,6 +181,9 @@ def main() -> int:
         own = median_ms(lambda: capture.capture(ids, pos, mask), dev, args.warmup, args.reps)
         speed[T] = (ours, own)
         print(f"{T:>6} tokens: isolated {ours:.1f} ms, transformers' own (crossing) {own:.1f} ms", flush=True)
+        if args.profile:
+            profile_steps(lambda: capture.capture_row(row), dev,
+                          args.profile / f"profile-{T}{'-fp8' if args.fp8 else ''}.txt", n=2)
 
     print(f"\n| tokens | kind | packed vs alone | noise floor | isolated: ms | tokens/s | TFLOP/s | "
           f"own forward (crossing): ms | tokens/s |  ({'compiled' if compiled else 'eager'})")
