@@ -6,6 +6,8 @@ back to back, and the whole pipeline (pack:random -> extract -> train) through t
     python benchmarks/online.py --device cpu --preset tiny --rows 4 --warmup 1 --anchors 32 --tokens 512
                                                                   # smoke test (the defaults are slow on a CPU)
     python benchmarks/online.py --tokens 16384 --attn both --target-only   # sdpa vs packed_flex
+    python benchmarks/online.py --preset qwen3.6-27b-fp8 --tokens 16384 --rows 6 --warmup 2 \
+        --lm-head fp8 --mlp fp8                                   # the FP8 target and drafter products
 
 Random weights at real shapes (nothing downloaded). FLOPs: docs/drafter.md, 'FLOP model' (target forward =
 2 x non-embedding params x T + causal attention within documents).
@@ -99,6 +101,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-device", default=None,
                    help="the pipeline's train stage on another device (e.g. cuda:1: target and drafter on "
                         "two GPUs); the parts alone and back to back stay on --device")
+    p.add_argument("--lm-head", default="model", choices=["model", "fp8"],
+                   help="train's lm_head_dtype: the loss's LM-head products in FP8 (docs/fp8_target.md)")
+    p.add_argument("--mlp", default="model", choices=["model", "fp8"],
+                   help="train's mlp_dtype: the draft layers' MLP products in FP8 (docs/fp8_target.md)")
     p.add_argument("--target-only", action="store_true",
                    help="time the target forward only: no drafter, back-to-back or pipeline part")
     return p.parse_args()
@@ -113,6 +119,7 @@ def main() -> None:
     dtype_name = "bf16" if dev.type == "cuda" else "float32"
     layers = "auto" if args.layers == "auto" else [int(x) for x in args.layers.split(",")]
     res: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "device": str(dev),
+                           "lm_head_dtype": args.lm_head, "mlp_dtype": args.mlp,
                            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
     attn = resolve_attn_implementation("auto" if args.attn == "both" else args.attn, dev)
@@ -194,7 +201,8 @@ def time_drafter(args: argparse.Namespace, dev: torch.device, dtype_name: str, r
     """The trainer's step alone (``Trainer.train_step``), then extract's forward and the step back
     to back; returns the back-to-back seconds per row."""
     header = loaded.header()
-    tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name)
+    tcfg = TrainConfig(num_layers=args.draft_layers, block_size=16, num_anchors=args.anchors, dtype=dtype_name,
+                       lm_head_dtype=args.lm_head, mlp_dtype=args.mlp)
     trainer = Trainer(tcfg, StageContext(stage="train", config=tcfg, device=args.device, run_dir=work,
                                          work_dir=work))
     trainer.setup(header)
@@ -245,7 +253,8 @@ stages:
             params: {{model: "{model_ref}", layers: {json.dumps(ids)}, attn_implementation: {attn},
                       compile: "{args.compile_target}"}}}}
   train: {{uses: dflash, after: extract, device: {args.train_device or args.device},
-          params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name}}}}}
+          params: {{num_layers: {args.draft_layers}, num_anchors: {args.anchors}, log_every: 1, dtype: {dtype_name},
+                    lm_head_dtype: {args.lm_head}, mlp_dtype: {args.mlp}}}}}
 """
     pm = PluginManager(autoload=False)
     pipeline = load_pipeline_text(yaml_text, pm)
@@ -290,7 +299,9 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
               f"relative {res['attn_rel_diff']:.3g}")
     if args.target_only:
         return
-    print(f"{'drafter step':34s} {res['drafter_ms']:9.1f} {res['drafter_tok_s']:10.0f} {res['drafter_tflops']:8.1f}")
+    fp8 = " + ".join(f"FP8 {part}" for part, on in (("head", args.lm_head == "fp8"), ("MLP", args.mlp == "fp8")) if on)
+    label = f"drafter step ({fp8})" if fp8 else "drafter step"
+    print(f"{label:34s} {res['drafter_ms']:9.1f} {res['drafter_tok_s']:10.0f} {res['drafter_tflops']:8.1f}")
     print(f"{'back to back':34s} {res['back_to_back_ms']:9.1f} {res['back_to_back_tok_s']:10.0f}")
     where = "" if res["pipeline_train_device"] == res["device"] else f", train on {res['pipeline_train_device']}"
     print(f"{'pipeline (runner, threads' + where + ')':34s} {res['pipeline_ms']:9.1f} {res['pipeline_tok_s']:10.0f}")

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import math
 import os
@@ -322,7 +321,7 @@ def main() -> int:
     def evaluations(name: str, export: str) -> dict[tuple[str, str], Callable[[], subprocess.Popen]]:
         return {(name, kind): (lambda kind=kind, prompts=prompts, n=n: run(
                     evaluate_cmd(export, prompts, n, out / name / kind, args.max_new_tokens, args.eval_batch_size,
-                                 serve_targets[name], reference_file(out, kind, serve_targets[name])),
+                                 serve_targets[name], out / "references"),
                     out / name / f"{kind}.log", points[name].gpu))
                 for kind, (prompts, n) in prompt_sets.items()}
 
@@ -395,20 +394,14 @@ def point_spec(text: str) -> PointSpec:
 
 
 def evaluate_cmd(export: str, prompts: str, num_prompts: int, out: Path, max_new_tokens: int, batch_size: int,
-                 target: str | None, reference: Path) -> list[str]:
+                 target: str | None, references: Path) -> list[str]:
     """``dflash-pipe evaluate`` of one export on one prompt set, against ``target`` when given, with
-    the greedy reference in ``reference`` that every point served on the same target shares."""
+    the greedy references in ``references`` that the points served on one target share (one text
+    for τ_ref, as one process decodes it; docs/evaluate.md, ``--reference``)."""
     return ([sys.executable, "-m", "dflash_core.cli.main", "evaluate", export, "--prompts", prompts,
              "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--batch-size",
-             str(batch_size), "--out", str(out), "--reference", str(reference)]
+             str(batch_size), "--out", str(out), "--reference", str(references)]
             + (["--target", target] if target else []))
-
-
-def reference_file(out: Path, kind: str, target: str | None) -> Path:
-    """Where the points served on one target and prompt set share their greedy reference: one text
-    for τ_ref, as one process would decode it (docs/evaluate.md, ``--reference``)."""
-    served_on = hashlib.sha256((target or "").encode()).hexdigest()[:12] if target else "recorded-target"
-    return out / "references" / f"{kind}-{served_on}.json"
 
 
 def training_prompts(base: dict[str, Any], base_dir: Path) -> str:

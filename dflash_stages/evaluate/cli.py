@@ -36,10 +36,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16,
                    help="prompts decoded together, one target forward per cycle for all (default 16)")
     p.add_argument("--tie-tolerance", type=float, default=None,
-                   help="relative logit gap of a tolerated near tie (default by dtype: fp32 1e-4, bf16 5e-2)")
-    p.add_argument("--reference", metavar="FILE",
-                   help="share the target's greedy reference with other evaluations: read it from FILE if there, "
-                        "else decode it and write it there (τ_ref then scores every drafter on one text)")
+                   help="relative logit gap of a tolerated near tie (default by dtype: fp32 1e-4, fp16 1e-2, "
+                        "bf16 5e-2; at least 2^-3 for a target with FP8 layers)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="share the target's greedy reference with other evaluations naming DIR: read it from there "
+                        "if one of this target, dtype, prompts and length is, else decode it and write it there "
+                        "(τ_ref then scores their drafters on one text)")
     p.add_argument("--fail-on-gap", action="store_true", help="exit 1 when the train/serve gap is flagged")
     p.set_defaults(func=run)
 
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                  metrics=args.metrics, baseline=not args.no_baseline,
                                  gap_threshold=args.gap_threshold, progress=progress,
                                  batch_size=args.batch_size, tie_tolerance=args.tie_tolerance,
-                                 reference_file=args.reference)
+                                 reference_dir=args.reference)
     except (EvaluationError, FileNotFoundError) as exc:
         err_console.print(f"error: {exc}", markup=False)
         return EXIT_CONFIG

@@ -122,15 +122,15 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
                      with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
                      tie_tolerance: float | None = None, pad_id: int = 0, progress: Any = None,
-                     reference_file: str | None = None, target_name: str = "target") -> dict[str, Any]:
+                     reference_dir: str | None = None, target_name: str = "target") -> dict[str, Any]:
     """The report of one drafter module on token-id prompts (no files, no tokenizer).
 
     ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
     ``tie_tolerance``: relative logit gap of a tolerated near tie (default: ``runs.tie_tolerance``, by
     dtype and FP8 layers);
     ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes;
-    ``reference_file``: a greedy reference shared with other evaluations (``reference.py``), keyed by
-    ``target_name``, the target's dtype, the prompts and ``max_new_tokens``.
+    ``reference_dir``: where greedy references are shared with other evaluations (``reference.py``),
+    one per ``target_name`` (as its files are now), the target's dtype, the prompts and ``max_new_tokens``.
 
     In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
     τ_sim, then the verdict (gap, lossless check); ``timing`` has the seconds of each part.
@@ -146,7 +146,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     _check_shapes(target, drafter, embed)
     eos = eos_set(eos_token_id)
     tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
-    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_file, target_name)
+    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name)
     dec = _Decoding(target, prompts, refs, B, max_new_tokens, eos, batch_size, tol)
     timing: dict[str, Any] = {"greedy_s": round(ref_s, 3) if ref_s is not None else None}
 
@@ -154,7 +154,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
                      _batch_progress(progress, len(prompts)))
     report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
                               "max_new_tokens": max_new_tokens, "fp8_layers": runs.fp8_layers(target),
-                              "reference_file": reference_file,
+                              "reference_dir": reference_dir,
                               **_served_summary(run, dec, ref_s, timing)}
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
@@ -178,21 +178,21 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
 
 
 def _reference(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int], pad_id: int,
-               batch_size: int, reference_file: str | None, target_name: str
+               batch_size: int, reference_dir: str | None, target_name: str
                ) -> tuple[list[list[int]], float | None]:
-    """The greedy reference and the seconds its decode took (None: read from ``reference_file``)."""
+    """The greedy reference and the seconds its decode took (None: read from ``reference_dir``)."""
     from dflash_stages.evaluate import runs
 
     def decode() -> tuple[list[list[int]], float]:
         return runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
 
-    if reference_file is None:
+    if reference_dir is None:
         return decode()
-    from dflash_stages.evaluate.reference import reference_key, shared_reference
+    from dflash_stages.evaluate.reference import reference_key, shared_reference, target_fingerprint
 
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-    key = reference_key(target_name, dtype, prompts, max_new_tokens)
-    return shared_reference(reference_file, key, target_name, decode)
+    key = reference_key(target_fingerprint(target_name), dtype, prompts, max_new_tokens)
+    return shared_reference(reference_dir, key, target_name, decode)
 
 
 def _batch_progress(progress: Any, total: int) -> Any:
@@ -265,7 +265,7 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     served on the same prompts are thus scored on different texts (one may fall into a loop that
     the other's text never reaches), so ``tau_ref`` is also measured: the cycles a lossless decode
     of the greedy reference itself would make (:func:`cycles_on_text`). Evaluations that share one
-    reference (``reference_file``) score their drafters on one text, prompt by prompt; each decoding
+    reference (``reference_dir``) score their drafters on one text, prompt by prompt; each decoding
     its own may not (bf16 near ties)."""
     from dflash_model.target.spec_decode import cycles_on_text, served_tau, teacher_forced_tau
 

@@ -20,14 +20,14 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
                     loaded_target: tuple[Any, Any] | None = None, baseline: bool = True,
                     gap_threshold: float = GAP_THRESHOLD, plot: bool = True, progress: Any = None,
                     batch_size: int = 16, tie_tolerance: float | None = None,
-                    reference_file: str | None = None) -> dict[str, Any]:
+                    reference_dir: str | None = None) -> dict[str, Any]:
     """Evaluate an export directory as a server would; writes report.json (+ PNG) to ``out_dir``.
 
     Defaults come from the export's ``config.json`` ``dflash_pipe`` metadata (target, tokenizer,
     thinking, heldout prompts, metrics log). ``prompts`` may be a JSONL path or token-id lists;
     ``loaded_target`` = an already loaded (model, tokenizer) to reuse. Does not raise on a lossless
-    failure: check ``report["lossless"]``. ``reference_file``: a greedy reference shared with other
-    evaluations of the same target and prompts (``reference.py``).
+    failure: check ``report["lossless"]``. ``reference_dir``: where greedy references are shared with
+    other evaluations (``reference.py``).
     """
     from dflash_model.drafter import load_drafter
     from dflash_model.target.load import load_target, resolve_dtype
@@ -51,7 +51,7 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
     report = evaluate_drafter(lm, drafter, prompt_ids, max_new_tokens, eos_ids(lm, tok), baseline=baseline,
                               gap_threshold=gap_threshold, batch_size=batch_size, tie_tolerance=tie_tolerance,
                               pad_id=pad if pad is not None else 0, progress=progress,
-                              reference_file=reference_file, target_name=str(target_ref))
+                              reference_dir=reference_dir, target_name=str(target_ref))
     metrics_path = metrics or meta.get("metrics")
     records = read_metrics(metrics_path)
     report.update({"export": str(export), "step": meta.get("step"), "target": target_ref,

@@ -26,14 +26,15 @@ TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative logit gap under which a divergence counts as a near tie, by the target's dtype."""
 FP8_TIE_TOLERANCE = 2 ** -3
 """The least tolerance for a target whose linear layers round their activations to e4m3
-(``FP8BlockLinear``), whatever its dtype: the widest step between two neighbouring e4m3 values,
-1/8 of the smaller (3 mantissa bits). A verify block and a one-token decode that differ in the last
-bit can round an activation to the other neighbour, and the layers after it carry that on. Seen: an
-FP8 SmolLM2 in float32 on the CPU left its greedy decode at gaps of 0.8% and 1.1%; in bf16 on the
-H200, 124 divergences over 64 prompts reached 11.3%; the five beyond 5% were at three places, two
-where the DFlash and the n-gram drafter left the decode at the same token the same way and one of
-the n-gram drafter alone: the target's rounding, not a drafter or the loop. A loop that accepts a
-wrong draft leaves at far wider gaps (tests/target/test_fp8_target.py)."""
+(``FP8BlockLinear``), whatever its dtype. A verify block and a one-token decode that differ in the
+last bit can round an activation to the other neighbouring e4m3 value, up to 1/8 away (3 mantissa
+bits), and the layers after it carry that on. The value is a measured choice sized by that step,
+which bounds an activation's rounding, not a logit's, so a deeper model may need more
+(``--tie-tolerance``). Seen: an FP8 SmolLM2 in float32 on the CPU left its greedy decode at gaps of
+0.8% and 1.1%; in bf16 on the H200, 124 divergences over 64 prompts reached 11.3%, and the five
+beyond 5% were at three places, two where the DFlash and the n-gram drafter left the decode at the
+same token the same way and one of the n-gram drafter alone: the target's rounding, not a drafter
+or the loop. A loop that accepts a wrong draft left at far wider gaps (tests/target/test_fp8_target.py)."""
 
 
 def fp8_layers(target: torch.nn.Module) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 MEANS = ("loss", "acc", "tau_sim", "tau_serve")
 """The per-row statistics a record averages over its window."""
 VAL_MEANS = ("loss", "acc", "tau_sim")
+"""The per-row statistics a record averages over the window's validation rows."""
 VALIDATION = tuple(f"val_{k}" for k in MEANS)
 """The same of the validation documents (``validation_share``), in windows that measured some:
 ``VAL_MEANS`` averaged over their rows, and ``val_tau_serve`` the τ of a served decode walked over
@@ -36,6 +38,39 @@ all their text (``trainer.ServedWalk``), pooled over the window's cycles."""
 SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
 """The fields of the progress event (``step``: the trackers' x axis)."""
 TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s") + VALIDATION
+
+
+@dataclass
+class ServedWalk:
+    """The cycles a served decode would make on a row's validation text, from the τ at every one of
+    its anchors: each supervised span (a response) walked from its first token, each cycle's anchor
+    the last one's plus its τ (``cycles_on_text``, as evaluate's τ_ref walks the greedy reference).
+    Why not the harmonic mean of ``tau_serve``: at 10 epochs it read 20% below the served τ on the
+    served text itself, where the walk (τ_ref) read within 2% of it (docs/benchmarks.md, session 24).
+    The τ stay on the device until :func:`walked_cycles` reads a window's at once."""
+
+    anchors: list[int]
+    """Every anchor of the row's validation tokens, in order."""
+    block_tau: torch.Tensor
+    """[len(anchors)] their τ, on the drafter's device."""
+    spans: list[tuple[int, int]]
+    """[start, end) of each run of supervised validation tokens within one document."""
+    block_size: int
+
+
+def walked_cycles(walks: list[ServedWalk]) -> list[tuple[int, bool]]:
+    """(τ, whole block of budget) of every cycle of every span of ``walks``, their τ read back in one
+    transfer. A cycle may draft up to the span's last token (a decode stops at the end token), so a
+    span [start, end) is walked as a text whose budget ends at end + 1."""
+    from dflash_model.target.spec_decode import cycles_on_text
+
+    taus = torch.cat([w.block_tau.detach().double().cpu() for w in walks]).tolist() if walks else []
+    cycles, at = [], 0
+    for w in walks:
+        tau = dict(zip(w.anchors, taus[at:at + len(w.anchors)]))
+        at += len(w.anchors)
+        cycles += [c for start, end in w.spans for c in cycles_on_text(tau, start, end + 1, w.block_size)]
+    return cycles
 
 
 class MetricsLog:
@@ -96,7 +131,7 @@ class MetricsLog:
         """The window's metrics record (``dflash_core.items.METRICS_RECORD``), as ``metrics.jsonl``
         holds it."""
         rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
-        means = _means(self.window)  # the one host sync of the window (more with validation rows)
+        means = _means(self.window)  # the one host sync of the window (the validation rows' after it)
         val = self._validation() if self.val_window else {}
         return {"step": step, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
                 "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
@@ -107,7 +142,7 @@ class MetricsLog:
         from dflash_model.target.spec_decode import served_tau
 
         val = {f"val_{k}": v for k, v in zip(VAL_MEANS, _means(self.val_window, VAL_MEANS))}
-        val["val_tau_serve"] = served_tau(c for v in self.val_window for c in v["walk"].cycles())
+        val["val_tau_serve"] = served_tau(walked_cycles([v["walk"] for v in self.val_window]))
         return val
 
     def _write(self, record: dict[str, Any]) -> None:

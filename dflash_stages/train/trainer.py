@@ -32,7 +32,7 @@ from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
 from dflash_stages.train.config import TrainConfig, lr_at
 from dflash_stages.train.drafter_init import build_drafter
-from dflash_stages.train.metrics import MetricsLog
+from dflash_stages.train.metrics import MetricsLog, ServedWalk
 from dflash_stages.train.snapshots import SnapshotPolicy
 
 TRAIN_STATE = "train_state.pt"
@@ -53,45 +53,14 @@ def validation_tokens(batch: FeatureBatch, share: float) -> torch.Tensor | None:
     return held if bool(held.any()) else None
 
 
-@dataclass
-class ServedWalk:
-    """The cycles a served decode would make on a row's validation text, from the τ at every one of
-    its anchors: each supervised span (a response) walked from its first token, each cycle's anchor
-    the last one's plus its τ (``cycles_on_text``, as evaluate's τ_ref walks the greedy reference).
-    Why not the harmonic mean of ``tau_serve``: at 10 epochs it read 20% below the served τ on the
-    served text itself, where the walk (τ_ref) read within 2% of it (docs/benchmarks.md, session 24).
-    The τ stay on the device until :meth:`cycles` reads them, once a metrics window."""
-
-    anchors: list[int]
-    """Every anchor of the validation tokens, up to ``num_anchors`` (the first, in order)."""
-    block_tau: torch.Tensor
-    """[len(anchors)] their τ, on the drafter's device."""
-    spans: list[tuple[int, int]]
-    """[start, end) of each run of supervised validation tokens within one document."""
-    block_size: int
-
-    def cycles(self) -> list[tuple[int, bool]]:
-        """(τ, whole block of budget) of every cycle of every span; a span's walk stops at its end
-        or at a position without a τ (past ``num_anchors``)."""
-        from dflash_model.target.spec_decode import cycles_on_text
-
-        tau = dict(zip(self.anchors, self.block_tau.tolist()))
-        return [c for start, end in self.spans for c in cycles_on_text(tau, start, end, self.block_size)]
-
-
 def supervised_spans(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of each run of supervised tokens that stays within one document."""
-    spans, start = [], None
-    mask, docs = loss_mask.tolist(), doc_ids.tolist()
-    for i, on in enumerate(mask):
-        if start is not None and (not on or docs[i] != docs[start]):
-            spans.append((start, i))
-            start = None
-        if on and start is None:
-            start = i
-    if start is not None:
-        spans.append((start, len(mask)))
-    return spans
+    on = loss_mask.bool()
+    same = doc_ids[1:] == doc_ids[:-1]
+    no = on.new_zeros(1)
+    starts = on & ~(torch.cat([no, on[:-1] & same]))
+    ends = on & ~(torch.cat([on[1:] & same, no]))
+    return list(zip(starts.nonzero().squeeze(1).tolist(), (ends.nonzero().squeeze(1) + 1).tolist()))
 
 
 def _row_stats(out: LossOutput) -> dict[str, torch.Tensor]:
@@ -349,19 +318,22 @@ class Trainer:
 
     def _validate(self, batch: FeatureBatch) -> list[dict[str, Any]]:
         """The loss, acc and τ_sim of ``batch``'s supervised tokens (the row's validation documents)
-        without a gradient, at every one of their anchors (the first ``num_anchors``), and the walk
-        of a served decode over them: what the drafter does on text it never trained on. Empty
-        without an anchor."""
-        cfg = self.cfg
+        without a gradient, at every one of their anchors (``num_anchors`` at a time; the means
+        weighted by anchors), and the walk of a served decode over them: what the drafter does on
+        text it never trained on. Empty without an anchor."""
         docs = resolve_doc_ids(int(batch.loss_mask.shape[0]), batch.doc_lengths, batch.doc_ids, batch.loss_mask.device)
-        anchors = anchor_candidates(batch.loss_mask, docs)[:cfg.num_anchors]
+        anchors = anchor_candidates(batch.loss_mask, docs)
         if anchors.numel() == 0:
             return []
+        outs = []
         with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
-            out = self._loss(batch, anchors)
-        walk = ServedWalk(anchors.tolist(), out.block_tau[:anchors.numel()], supervised_spans(batch.loss_mask, docs),
-                          cfg.block_size)
-        return [{"loss": out.loss.detach(), "acc": out.acc, "tau_sim": out.tau_sim, "walk": walk}]
+            for chunk in anchors.split(self.cfg.num_anchors):  # the training step's shape: nothing compiles anew
+                outs.append((self._loss(batch, chunk), chunk.numel()))
+        stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel()
+                 for k in ("loss", "acc", "tau_sim")}
+        walk = ServedWalk(anchors.tolist(), torch.cat([out.block_tau[:m] for out, m in outs]),
+                          supervised_spans(batch.loss_mask, docs), self.cfg.block_size)
+        return [{**stats, "walk": walk}]
 
     def save_compile_cache(self) -> str | None:
         """Save everything this process has compiled to the compile cache (once the first step

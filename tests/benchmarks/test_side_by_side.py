@@ -223,7 +223,7 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
     """``serve_target=MODEL`` is no pipeline key: it is taken out of the point's sets and becomes
     evaluate's ``--target``, as dflash-pipe's own parser reads it; a point without it is served
     against the target it trained on (no --target)."""
-    from benchmarks.side_by_side import evaluate_cmd, point_spec, reference_file
+    from benchmarks.side_by_side import evaluate_cmd, point_spec
     from dflash_core.cli.main import build_parser
 
     assert point_spec("fp8feat:stages.extract.params.model=runs/smollm2-fp8,serve_target=smollm2") == (
@@ -236,20 +236,15 @@ def test_a_point_is_served_against_the_target_it_names(tmp_path: Path) -> None:
             point_spec(f"sf:gpu={bad}")
 
     def parsed(target: str | None):
-        cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target,
-                           reference_file(tmp_path, "heldout", target))
+        cmd = evaluate_cmd("EXPORT", "held.jsonl", 64, tmp_path / "eval", 256, 64, target, tmp_path / "references")
         assert cmd[1:4] == ["-m", "dflash_core.cli.main", "evaluate"]
         return build_parser(cmd[3:]).parse_args(cmd[3:])
 
     served = parsed("smollm2")
     assert (served.export, served.target, served.num_prompts, served.out) == ("EXPORT", "smollm2", 64,
                                                                               str(tmp_path / "eval"))
-    recorded = parsed(None)
-    assert recorded.target is None
-    # points served on one target share one greedy reference per prompt set; another target has its own
-    assert recorded.reference == str(tmp_path / "references" / "heldout-recorded-target.json")
-    assert served.reference != recorded.reference == parsed(None).reference
-    assert parsed("runs/smollm2-fp8").reference not in (served.reference, recorded.reference)
+    assert parsed(None).target is None
+    assert served.reference == parsed(None).reference == str(tmp_path / "references")  # one shared directory
 
 
 def test_points_are_compared_with_the_reference_prompt_by_prompt() -> None:

@@ -261,8 +261,7 @@ def test_the_trainers_metrics_record_is_the_one_evaluate_reads(tmp_path) -> None
 
     from dflash_core.items import METRICS_RECORD
     from dflash_stages.evaluate.drafter import training_summary
-    from dflash_stages.train.metrics import MetricsLog
-    from dflash_stages.train.trainer import ServedWalk
+    from dflash_stages.train.metrics import MetricsLog, ServedWalk
 
     log = MetricsLog(StageContext(stage="train", config=None, run_dir=str(tmp_path)), every=1)
     stat = {k: torch.tensor(0.5) for k in ("loss", "acc", "tau_sim", "tau_serve")}

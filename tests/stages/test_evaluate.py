@@ -8,6 +8,7 @@ the command loads it, and a drafter exported with ``export_drafter``.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -434,37 +435,51 @@ def test_tau_ref_counts_cycles_as_served_when_no_cycle_has_a_whole_block(target,
     assert rep["tau_ref"] == pytest.approx(rep["tau"])
 
 
-def test_evaluations_naming_one_reference_file_share_one_greedy_text(served, cli, monkeypatch):
-    """``--reference FILE``: the first evaluation decodes the greedy reference and writes it; a later
-    one reads it and decodes none (τ_ref on the same text); a file of another prompt set or length is
-    refused with exit 2 and left as it was."""
+def test_evaluations_naming_one_reference_directory_share_one_greedy_text(served, cli, monkeypatch):
+    """``--reference DIR``: the first evaluation decodes the greedy reference and writes it there; a
+    later one of the same target, prompts and length reads it and decodes none (τ_ref on the same
+    text); another length, or the target's files written again, gets a reference of its own; a file
+    that cannot be read is exit 2 with its path."""
     from dflash_stages.evaluate import runs as eval_runs
 
-    ref_file = served["root"] / "refs" / "heldout.json"
-    args = ("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
-            "--reference", ref_file)
-    first = cli(*args, "--out", served["root"] / "eval_ref1")
+    refs = served["root"] / "refs"
+
+    def evaluate(out: str, tokens: str = "6"):
+        return cli("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", tokens, "--device", "cpu",
+                   "--reference", refs, "--out", served["root"] / out)
+
+    first = evaluate("eval_ref1")
     assert first.code == 0, first.text
-    written = json.loads(ref_file.read_text())
-    assert len(written["outputs"]) == 2 and written["target"] == str(served["target"])
+    (written,) = refs.glob("*.json")
+    doc = json.loads(written.read_text())
+    assert len(doc["outputs"]) == 2 and doc["target"] == str(served["target"])
     rep1 = json.loads((served["root"] / "eval_ref1" / "report.json").read_text())
-    assert rep1["timing"]["greedy_s"] is not None and rep1["reference_file"] == str(ref_file)
+    assert rep1["timing"]["greedy_s"] is not None and rep1["reference_dir"] == str(refs)
 
-    def no_decode(*a, **k):
-        raise AssertionError("the reference was decoded again")
+    real = eval_runs.reference_decode
+    decoded: list[int] = []
 
-    monkeypatch.setattr(eval_runs, "reference_decode", no_decode)
-    second = cli(*args, "--out", served["root"] / "eval_ref2")
+    def counted(*a, **k):
+        decoded.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eval_runs, "reference_decode", counted)
+    second = evaluate("eval_ref2")
     assert second.code == 0, second.text
+    assert not decoded
     rep2 = json.loads((served["root"] / "eval_ref2" / "report.json").read_text())
     assert rep2["timing"]["greedy_s"] is None and rep2["lossless"] is True
     assert [r["tau_ref"] for r in rep2["per_prompt"]] == [r["tau_ref"] for r in rep1["per_prompt"]]
 
-    before = ref_file.read_bytes()
-    other = cli("evaluate", served["export"], "--num-prompts", "2", "--max-new-tokens", "5", "--device", "cpu",
-                "--reference", ref_file, "--out", served["root"] / "eval_ref3")
-    assert other.code == 2 and "holds the greedy reference of another" in other.text
-    assert ref_file.read_bytes() == before and not (served["root"] / "eval_ref3" / "report.json").exists()
+    assert evaluate("eval_ref3", tokens="5").code == 0 and len(decoded) == 1  # another length: its own
+    config = served["target"] / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # written again
+    assert evaluate("eval_ref4").code == 0 and len(decoded) == 2 and len(list(refs.glob("*.json"))) == 3
+
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns - 10**9))  # as it was
+    written.write_text("{not json")
+    broken = evaluate("eval_ref5")
+    assert broken.code == 2 and str(written) in broken.text and "remove it" in broken.text
 
 
 def test_a_shared_reference_is_decoded_once_by_concurrent_evaluations(tmp_path):
@@ -486,7 +501,7 @@ def test_a_shared_reference_is_decoded_once_by_concurrent_evaluations(tmp_path):
 
     def evaluation() -> None:
         started.wait()
-        got.append(shared_reference(tmp_path / "ref.json", key, "tiny", decode))
+        got.append(shared_reference(tmp_path, key, "tiny", decode))
 
     threads = [threading.Thread(target=evaluation) for _ in range(4)]
     for t in threads:

@@ -16,8 +16,8 @@ import torch
 from dflash_core import StageContext
 from dflash_core.items import METRICS_RECORD
 from dflash_stages.train import metrics
-from dflash_stages.train.metrics import MetricsLog
-from dflash_stages.train.trainer import ServedWalk, StepStats
+from dflash_stages.train.metrics import MetricsLog, ServedWalk
+from dflash_stages.train.trainer import StepStats
 
 
 def stats(losses: list[float], tokens: int, lr: float, grad_norm: float) -> StepStats:
@@ -103,8 +103,8 @@ def test_validation_documents_are_averaged_into_the_next_record_that_is_written(
         log.stepped(step, None, done)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
-    # pooled over the window's cycles with a whole block of budget (anchor <= 40 - 16 - 1): τ 3 at
-    # 0, 3, ..., 21 (8 cycles) and τ 5 at 0, 5, ..., 20 (5 cycles), not the mean of the two rows
-    assert [r.get("val_tau_serve") for r in records] == [2.0, pytest.approx(49 / 13), None]
+    # pooled over the window's cycles with a whole block of budget (drafts up to the last token, 39:
+    # anchor <= 39 - 15): τ 3 at 0, 3, ..., 24 (9 cycles) and τ 5 at 0, 5, ..., 20 (5), not the rows' mean
+    assert [r.get("val_tau_serve") for r in records] == [2.0, pytest.approx(52 / 14), None]
     assert [r.get("val_tau_sim") for r in records] == [2.0, 4.0, None]
     assert all(METRICS_RECORD.matches(r) for r in records)

@@ -211,6 +211,7 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
     averages what it measured as val_*."""
     from dflash_model.drafter import FeatureBatch
     from dflash_model.target.spec_decode import served_tau
+    from dflash_stages.train.metrics import walked_cycles
     from dflash_stages.train.trainer import validation_tokens
 
     cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, steps_per_row=2, log_every=2,
@@ -240,7 +241,7 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
                 assert not h[a.anchors[0]].any()  # no anchor in a validation document
             assert len(a.val_stats) == (1 if h is not None and share == 0 else 0) and not b.val_stats
             for s in a.val_stats:
-                assert torch.isfinite(s["loss"]) and 1.0 <= served_tau(s["walk"].cycles()) <= cfg.block_size
+                assert torch.isfinite(s["loss"]) and 1.0 <= served_tau(walked_cycles([s["walk"]])) <= cfg.block_size
             measured.metrics.add(a)
             measured.metrics.stepped(measured.step, measured.total, a)
     assert weights_digest(measured.model) == weights_digest(plain.model)
@@ -257,22 +258,22 @@ def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Pat
     """val_tau_serve is what a served decode would make on the validation documents: each response
     walked from its first token, every next cycle at the last anchor plus its τ (capped by the
     tokens left), counted over the cycles with a whole block. Each anchor's τ is taken here from the
-    drafter on that one block alone, before the step trains."""
+    drafter on that one block alone, before the step trains; the trainer takes them 8 at a time."""
     from dataclasses import replace
 
     from dflash_model.drafter import FeatureBatch
     from dflash_stages.train.trainer import validation_tokens
 
     B = 4
-    cfg = TrainConfig(num_layers=1, block_size=B, num_anchors=96, lr=1e-2, log_every=1, validation_share=0.5)
+    cfg = TrainConfig(num_layers=1, block_size=B, num_anchors=8, lr=1e-2, log_every=1, validation_share=0.5)
     target = tiny_qwen3()
     rows_cfg = RandomRowsConfig(rows=ROWS, tokens_per_row=96, docs_per_row=3, vocab_size=499)
     features = torch.randn(96, len(LAYERS) * target["hidden_size"], generator=torch.Generator().manual_seed(1))
     row = dict(random_row(rows_cfg, 1), kind="row", last_hidden=None, rows_per_epoch=ROWS, epochs=1,
                features=features, state={"position": 2}, state_stage="pack")
     tr = trainer(cfg, header(target, LAYERS), tmp_path / "val")
-    learnt = trainer(replace(cfg, validation_share=0.0, total_steps=200, warmup_ratio=0.0), header(target, LAYERS),
-                     tmp_path / "learnt")
+    learnt = trainer(replace(cfg, validation_share=0.0, num_anchors=96, total_steps=200, warmup_ratio=0.0),
+                     header(target, LAYERS), tmp_path / "learnt")
     for _ in range(45):  # the row half by heart, its validation documents too: τ of 1 to B to walk over
         learnt.train_step([row])
     tr.model.load_state_dict(learnt.model.state_dict())
@@ -287,8 +288,8 @@ def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Pat
     for start in (i for i in range(96) if mask[i] and (i == 0 or not mask[i - 1] or docs[i - 1] != docs[i])):
         end = next((j for j in range(start, 96) if not mask[j] or docs[j] != docs[start]), 96)
         a = start
-        while a < end - 1:
-            budget = min(B - 1, end - a - 2)
+        while a in tau:  # a decode drafts at most up to the response's last token, end - 1
+            budget = min(B - 1, end - 1 - a)
             cycles.append((min(tau[a], budget + 1), budget == B - 1))
             a += cycles[-1][0]
     whole = [t for t, w in cycles if w]

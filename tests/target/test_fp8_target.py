@@ -487,7 +487,6 @@ def test_evaluate_judges_an_fp8_target_at_fp8_rounding(dense: tuple[Path, Path, 
     quantized, _ = load_target(str(fp8_dir), "cpu", "float32", "sdpa")
     assert runs.fp8_layers(unquantized) == 0 and runs.tie_tolerance(unquantized) == 1e-4
     assert runs.fp8_layers(quantized) == len(saved) and runs.tie_tolerance(quantized) == runs.FP8_TIE_TOLERANCE
-    assert runs.FP8_TIE_TOLERANCE == 2 ** -3
 
 
 @needs_smollm2
@@ -496,7 +495,9 @@ def test_the_fp8_tolerance_still_catches_a_loop_error(monkeypatch: pytest.Monkey
     tokens with the n-gram drafter: the loop as it is leaves HF's greedy decode only at near ties (the
     FP8 rounding); a loop that accepts one draft too many leaves it at mismatches whose logit gaps are
     over twice their tolerance (measured: 38-49% of the logit against 2^-3), so the wide FP8
-    tolerance still fails a real logic error."""
+    tolerance still fails a real logic error. The n-gram drafter's wrong drafts are far from the
+    target's choice; a trained drafter's are nearer, so this bounds what the check catches, it does
+    not prove it catches every loop error at FP8's tolerance."""
     pytest.importorskip("gguf", reason="transformers needs the 'gguf' package to read GGUF")
     import dflash_model.target.spec_decode as sd
     from dflash_model.target.smollm2 import load_smollm2
@@ -512,13 +513,14 @@ def test_the_fp8_tolerance_still_catches_a_loop_error(monkeypatch: pytest.Monkey
     eos, new_tokens = {tok.eos_token_id}, 16
     refs = runs.hf_greedy(model, prompts, new_tokens, eos, tok.pad_token_id)
 
-    def mismatches() -> list[dict]:
+    def judged() -> tuple[list[dict], list[dict]]:
         outputs = [sd.speculative_decode(model, p, sd.ngram_drafter(), 4, new_tokens, None, eos).tokens
                    for p in prompts]
-        return runs.check_outputs(model, prompts, refs, outputs, "ngram", tol)[0]
+        return runs.check_outputs(model, prompts, refs, outputs, "ngram", tol)
 
-    assert mismatches() == []
+    assert judged()[0] == []
     real = sd.accepted_prefix
     monkeypatch.setattr(sd, "accepted_prefix", lambda drafts, target: min(len(drafts), real(drafts, target) + 1))
-    planted = mismatches()
-    assert planted and all(m["logit_gap"] > 2 * m["tolerance"] for m in planted)
+    planted, ties = judged()
+    assert len(planted) == len(prompts) and ties == []  # every prompt fails, none passes as a near tie
+    assert all(m["logit_gap"] > 2 * m["tolerance"] for m in planted)
