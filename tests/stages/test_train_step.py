@@ -301,3 +301,14 @@ def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Pat
     record = json.loads((tmp_path / "val" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["val_tau_serve"] == pytest.approx(sum(whole) / len(whole))
     assert record["val_tau_sim"] > record["val_tau_serve"] + 0.5  # the mean over every anchor is another figure
+
+
+def test_supervised_spans_are_runs_of_supervised_tokens_within_one_document() -> None:
+    """Each run of supervised tokens is a span of its own; a document boundary ends one even where
+    the next document's tokens are supervised too (a packed row), and a trailing run ends at the row."""
+    from dflash_stages.train.trainer import supervised_spans
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1])
+    docs = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2])
+    assert supervised_spans(mask, docs) == [(2, 5), (7, 9), (9, 11), (12, 13)]
+    assert supervised_spans(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)) == []
