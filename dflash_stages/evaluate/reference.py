@@ -2,9 +2,8 @@
 
 Why: τ_ref scores each drafter on the target's greedy text so that drafters can be compared on one
 text. But each evaluation decodes that text itself with HF ``generate``, and in bf16 the decode leaves
-one text for another at near ties differently from one process to the next (docs/benchmarks.md,
-session 24: 18 of the n-gram drafter's 51 divergence points moved between two evaluations of one
-run). Evaluations that name one directory use the text the first of them decoded: one file per
+one text for another at near ties differently from one process to the next (docs/evaluate.md,
+τ_ref). Evaluations that name one directory use the text the first of them decoded: one file per
 target (its files as they are now), dtype, prompt set and length; the first evaluation to take a
 file's lock decodes and writes it, the others wait for the lock, then read it.
 """

@@ -34,7 +34,7 @@ VAL_MEANS = ("loss", "acc", "tau_sim")
 VALIDATION = tuple(f"val_{k}" for k in MEANS)
 """The same of the validation documents (``validation_share``), in windows that measured some:
 ``VAL_MEANS`` averaged over their rows, and ``val_tau_serve`` the τ of a served decode walked over
-all their text (``trainer.ServedWalk``), pooled over the window's cycles."""
+all their text (:class:`ServedWalk`), pooled over the window's cycles."""
 SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
 """The fields of the progress event (``step``: the trackers' x axis)."""
 TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s") + VALIDATION
@@ -45,9 +45,9 @@ class ServedWalk:
     """The cycles a served decode would make on a row's validation text, from the τ at every one of
     its anchors: each supervised span (a response) walked from its first token, each cycle's anchor
     the last one's plus its τ (``cycles_on_text``, as evaluate's τ_ref walks the greedy reference).
-    Why not the harmonic mean of ``tau_serve``: at 10 epochs it read 20% below the served τ on the
-    served text itself, where the walk (τ_ref) read within 2% of it (docs/benchmarks.md, session 24).
-    The τ stay on the device until :func:`walked_cycles` reads a window's at once."""
+    Why not the harmonic mean of ``tau_serve``: on served text it reads well below the served τ,
+    where the walk follows it (docs/online_training.md, "Validation documents"). The τ stay on the
+    device until :func:`walked_cycles` reads a window's at once."""
 
     anchors: list[int]
     """Every anchor of the row's validation tokens, in order."""
@@ -64,7 +64,7 @@ def walked_cycles(walks: list[ServedWalk]) -> list[tuple[int, bool]]:
     span [start, end) is walked as a text whose budget ends at end + 1."""
     from dflash_model.target.spec_decode import cycles_on_text
 
-    taus = torch.cat([w.block_tau.detach().double().cpu() for w in walks]).tolist() if walks else []
+    taus = torch.cat([w.block_tau.detach().double() for w in walks]).tolist() if walks else []
     cycles, at = [], 0
     for w in walks:
         tau = dict(zip(w.anchors, taus[at:at + len(w.anchors)]))
@@ -165,4 +165,4 @@ class MetricsLog:
 
 def _means(window: list[dict[str, Any]], keys: tuple[str, ...] = MEANS) -> list[float]:
     """Each of ``keys`` averaged over the rows of a window, read back in one transfer."""
-    return torch.stack([torch.stack([w[k].double().cpu() for k in keys]) for w in window]).mean(0).tolist()
+    return torch.stack([torch.stack([w[k].double() for k in keys]) for w in window]).mean(0).tolist()

@@ -32,7 +32,7 @@ from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
 from dflash_stages.train.config import TrainConfig, lr_at
 from dflash_stages.train.drafter_init import build_drafter
-from dflash_stages.train.metrics import MetricsLog, ServedWalk
+from dflash_stages.train.metrics import VAL_MEANS, MetricsLog, ServedWalk
 from dflash_stages.train.snapshots import SnapshotPolicy
 
 TRAIN_STATE = "train_state.pt"
@@ -329,8 +329,7 @@ class Trainer:
         with torch.no_grad(), GATE.call(self.ctx.stage, int(batch.features.shape[0]), self.compiled):
             for chunk in anchors.split(self.cfg.num_anchors):  # the training step's shape: nothing compiles anew
                 outs.append((self._loss(batch, chunk), chunk.numel()))
-        stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel()
-                 for k in ("loss", "acc", "tau_sim")}
+        stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel() for k in VAL_MEANS}
         walk = ServedWalk(anchors.tolist(), torch.cat([out.block_tau[:m] for out, m in outs]),
                           supervised_spans(batch.loss_mask, docs), self.cfg.block_size)
         return [{**stats, "walk": walk}]
