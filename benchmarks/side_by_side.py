@@ -222,8 +222,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def ours_figures(run_dir: Path, drafter_cfg: Any, tokens_per_row: int, num_anchors: int) -> dict[str, Any]:
     """Steps, anchors, compute and training time of train:dflash, from its metrics log: every
     step is one row of ``tokens_per_row`` tokens with ``num_anchors`` blocks (padded to that). Also
-    its last ``tau_serve`` (on the rows it trains on) and, with ``validation_share``, the last
-    ``val_tau_serve`` (on documents it never trains on): what its served τ is to be read against."""
+    its last ``tau_serve`` (on the rows it trains on) and, with ``validation_share``, ``val_tau_serve``
+    (on documents it never trains on, pooled over the last epoch as evaluate pools it): what its
+    served τ is to be read against."""
     from dflash_model.drafter import training_flops
     from dflash_stages.evaluate.drafter import training_summary
 

@@ -232,6 +232,7 @@ METRICS_RECORD = ItemType("metrics record", (
     Field("tokens", "tokens trained since the run (or its resume) started"),
     Field("elapsed_s", "seconds of training since the run (or its resume) started"),
 ), optional=(
+    Field("epoch", "epochs of the pack stage's plan the record's step has trained (where rows carry the plan)"),
     Field("tau_serve", "mean τ counting only whole draft blocks"),
     Field("time", "wall-clock time (Unix seconds)"),
     Field("per_slot_acc", "accuracy per draft position, last step"),
@@ -239,5 +240,6 @@ METRICS_RECORD = ItemType("metrics record", (
     Field("val_acc", "mean draft accuracy over the window's validation documents"),
     Field("val_tau_sim", "mean simulated τ over the window's validation documents"),
     Field("val_tau_serve", "τ of a served decode walked over the window's validation documents"),
+    Field("val_cycles", "the cycles val_tau_serve is the mean of"),
 ))
 """One line of a trainer's metrics JSONL (``<run_dir>/metrics.jsonl``); evaluate reads it."""

@@ -98,12 +98,17 @@ class DecodeResult:
         return served_tau(zip(self.taus, self.full))
 
 
-def served_tau(cycles: Iterable[tuple[int, bool]]) -> float:
-    """Mean τ of (τ, whole block of draft budget) cycles as a served decode counts it: over the
-    cycles with a whole block, or over every cycle when none had one (the last cycles before
-    max_new_tokens are cut short and would bias short outputs down); nan without cycles."""
+def served_pool(cycles: Iterable[tuple[int, bool]]) -> list[int]:
+    """The τ of the (τ, whole block of draft budget) cycles a served decode counts: those with a
+    whole block, or every cycle when none had one (the last cycles before max_new_tokens are cut
+    short and would bias short outputs down)."""
     cycles = list(cycles)
-    pool = [t for t, whole in cycles if whole] or [t for t, _ in cycles]
+    return [t for t, whole in cycles if whole] or [t for t, _ in cycles]
+
+
+def served_tau(cycles: Iterable[tuple[int, bool]]) -> float:
+    """Mean τ of the cycles :func:`served_pool` counts; nan without cycles."""
+    pool = served_pool(cycles)
     return sum(pool) / len(pool) if pool else float("nan")
 
 

@@ -116,7 +116,7 @@ def render_table(report: Mapping[str, Any]) -> Any:
         head.add_row("τ_sim (last training log)", _num(report["training"].get("tau_sim_train")), "")
         head.add_row("τ_serve (last training log)", _num(report["training"].get("tau_serve_train")), "")
         if report["training"].get("tau_serve_val") is not None:
-            head.add_row("τ_serve (training's validation documents, last log of them)",
+            head.add_row("τ_serve (training's validation documents, walked over the last epoch)",
                          _num(report["training"]["tau_serve_val"]), "")
     gap = report.get("gap")
     head.add_row("gap (τ_sim − τ) / τ_sim",

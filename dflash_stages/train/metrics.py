@@ -34,7 +34,7 @@ VAL_MEANS = ("loss", "acc", "tau_sim")
 VALIDATION = tuple(f"val_{k}" for k in MEANS)
 """The same of the validation documents (``validation_share``), in windows that measured some:
 ``VAL_MEANS`` averaged over their rows, and ``val_tau_serve`` the τ of a served decode walked over
-all their text (:class:`ServedWalk`), pooled over the window's cycles."""
+all their text (:class:`ServedWalk`), pooled over the window's cycles (``val_cycles`` of them)."""
 SHOWN = ("step", "loss", "acc", "tau_sim", "lr", "grad_norm", "tokens_per_s")
 """The fields of the progress event (``step``: the trackers' x axis)."""
 TENSORBOARD = ("loss", "acc", "tau_sim", "tau_serve", "lr", "grad_norm", "tokens_per_s") + VALIDATION
@@ -83,6 +83,9 @@ class MetricsLog:
         self.window: list[dict[str, torch.Tensor]] = []
         self.val_window: list[dict[str, Any]] = []
         self.grad_norm: torch.Tensor | float = float("nan")
+        self.epoch_steps: float | None = None
+        """Optimizer steps an epoch of the data takes, once the trainer knows it: each record then
+        says its ``epoch``, by which evaluate pools the last epoch's validation windows."""
         self.start()
 
     def open(self, step: int, resumed: bool) -> None:
@@ -133,16 +136,19 @@ class MetricsLog:
         rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
         means = _means(self.window)  # the one host sync of the window (the validation rows' after it)
         val = self._validation() if self.val_window else {}
-        return {"step": step, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
+        epoch = {"epoch": step / self.epoch_steps} if self.epoch_steps else {}
+        return {"step": step, **epoch, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
                 "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
                 "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
 
     def _validation(self) -> dict[str, float]:
         """The window's ``VALIDATION`` figures (see there)."""
-        from dflash_model.target.spec_decode import served_tau
+        from dflash_model.target.spec_decode import served_pool
 
         val = {f"val_{k}": v for k, v in zip(VAL_MEANS, _means(self.val_window, VAL_MEANS))}
-        val["val_tau_serve"] = served_tau(walked_cycles([v["walk"] for v in self.val_window]))
+        pool = served_pool(walked_cycles([v["walk"] for v in self.val_window]))
+        val["val_tau_serve"] = sum(pool) / len(pool) if pool else float("nan")
+        val["val_cycles"] = len(pool)
         return val
 
     def _write(self, record: dict[str, Any]) -> None:

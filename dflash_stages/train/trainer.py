@@ -189,6 +189,12 @@ class Trainer:
             return max(1, int(per_epoch) * int(epochs) * self.fan_in() * cfg.steps_per_row // cfg.rows_per_step)
         return None
 
+    def epoch_steps(self, row: dict[str, Any]) -> float | None:
+        """Optimizer steps one epoch of the pack stage's plan takes (None: the row has no plan)."""
+        per_epoch = row.get("rows_per_epoch")
+        cfg = self.cfg
+        return int(per_epoch) * self.fan_in() * cfg.steps_per_row / cfg.rows_per_step if per_epoch else None
+
     def fan_in(self) -> int:
         """Producer ranks feeding each replica of this stage (N/M in an N -> M fan-in, else 1):
         the rows per epoch a row reports are its producer rank's share. The engine computes it."""
@@ -281,6 +287,7 @@ class Trainer:
             if micro == cfg.rows_per_step:
                 raise ValueError(f"train_step: more than rows_per_step ({cfg.rows_per_step}) rows")
             self.total = self.total or self.total_steps(row)
+            self.metrics.epoch_steps = self.metrics.epoch_steps or self.epoch_steps(row)
             batch = FeatureBatch.from_row(row, self.device)
             held = validation_tokens(batch, cfg.validation_share) if cfg.validation_share else None
             if held is not None:  # measured once a row, then left out of what it trains on

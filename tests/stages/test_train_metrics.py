@@ -90,6 +90,7 @@ def test_validation_documents_are_averaged_into_the_next_record_that_is_written(
     log = MetricsLog(StageContext(stage="train", config=None, run_dir=str(tmp_path), work_dir=str(tmp_path)),
                      every=1)
     log.open(0, resumed=False)
+    log.epoch_steps = 2.0
 
     def val(tau: float) -> dict[str, Any]:  # a 40-token response with τ at every anchor
         return {"loss": torch.tensor(tau), "acc": torch.tensor(0.5), "tau_sim": torch.tensor(tau),
@@ -106,5 +107,25 @@ def test_validation_documents_are_averaged_into_the_next_record_that_is_written(
     # pooled over the window's cycles with a whole block of budget (drafts up to the last token, 39:
     # anchor <= 39 - 15): τ 3 at 0, 3, ..., 24 (9 cycles) and τ 5 at 0, 5, ..., 20 (5), not the rows' mean
     assert [r.get("val_tau_serve") for r in records] == [2.0, pytest.approx(52 / 14), None]
+    assert [r.get("val_cycles") for r in records] == [13, 14, None]  # τ 2 at 0, 2, ..., 24
+    assert [r["epoch"] for r in records] == [0.5, 1.5, 2.0]
     assert [r.get("val_tau_sim") for r in records] == [2.0, 4.0, None]
     assert all(METRICS_RECORD.matches(r) for r in records)
+
+
+def test_evaluate_pools_the_last_epochs_validation_windows_by_their_cycles() -> None:
+    """tau_serve_val is the walk over every validation document of the last epoch: the windows whose
+    epoch lies within one of the last record's, each weighted by its cycles; a log without epochs
+    or cycles (an older one) gives its last window's figure."""
+    from dflash_stages.evaluate.drafter import training_summary
+
+    def rec(epoch: float, tau: float | None = None, cycles: int | None = None) -> dict[str, Any]:
+        val = {} if tau is None else {"val_tau_serve": tau, "val_cycles": cycles, "val_acc": 0.5}
+        return {"step": round(epoch * 10), "epoch": epoch, "loss": 1.0, **val}
+
+    records = [rec(0.5, 9.0, 100), rec(1.0, 4.0, 10), rec(1.2, 2.0, 30), rec(1.6), rec(1.9, 5.0, 10), rec(2.0)]
+    out = training_summary(records)
+    assert out["tau_serve_val"] == pytest.approx((2.0 * 30 + 5.0 * 10) / 40)  # epoch 1.0 is not after 2.0 - 1
+    assert out["val_cycles"] == 40
+    older = [{k: v for k, v in r.items() if k not in ("epoch", "val_cycles")} for r in records]
+    assert training_summary(older)["tau_serve_val"] == 5.0 and "val_cycles" not in training_summary(older)

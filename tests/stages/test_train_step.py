@@ -300,6 +300,8 @@ def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Pat
     tr.metrics.stepped(tr.step, tr.total, step)
     record = json.loads((tmp_path / "val" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["val_tau_serve"] == pytest.approx(sum(whole) / len(whole))
+    assert record["val_cycles"] == len(whole)
+    assert record["epoch"] == 1 / ROWS  # one row an epoch, one step a row
     assert record["val_tau_sim"] > record["val_tau_serve"] + 0.5  # the mean over every anchor is another figure
 
 
