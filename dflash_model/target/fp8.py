@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dflash_model.fast.settings import triton_installed
+
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
 # cuBLASLt refuses a block-scaled product whose row count is no multiple of 4 (seen on an H200,
@@ -153,9 +155,17 @@ def _compiled_quantize() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.T
 
 
 def _quantize_for_product(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantize_columns` as one fused kernel rather than eight eager ops: compiled on its
-    own, or traced into the graph of a compiled decoder layer that calls it."""
-    return _quantize_columns(x) if torch.compiler.is_compiling() else _compiled_quantize()(x)
+    """:func:`_quantize_columns` as fused kernels rather than eight eager ops: traced into the graph
+    of a compiled decoder layer that calls it (Inductor fuses it with the ops around it); else on
+    CUDA the single-pass Triton kernel of ``fast.fp8_quant_triton`` (Inductor's kernels for this
+    function alone are a reduction, a pointwise pass and copies); else compiled on its own."""
+    if torch.compiler.is_compiling():
+        return _quantize_columns(x)
+    if x.is_cuda and triton_installed():
+        from dflash_model.fast.fp8_quant_triton import quantize_columns
+
+        return quantize_columns(x)
+    return _compiled_quantize()(x)
 
 
 class FP8BlockLinear(nn.Module):
