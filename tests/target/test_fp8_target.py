@@ -169,8 +169,9 @@ FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or not fp8.fp8_produc
 @FP8_GPU
 def test_the_fp8_product_on_a_gpu_is_the_reference_math() -> None:
     """On CUDA: the quantization ``fp8_product`` takes (the Triton kernel, or the compiled function
-    without triton) is the eager one (scales column-major; a rare value may round differently), and ``_scaled_mm`` with both block scales computes the
-    reference product to within bf16 rounding, for a token count that is no multiple of 16."""
+    without triton) is the eager one (scales column-major; a rare value may round differently),
+    and ``_scaled_mm`` with both block scales computes the reference product to within bf16
+    rounding, for a token count that is no multiple of 16."""
     torch.manual_seed(0)
     linear = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = fp8.FP8BlockLinear.quantized(linear)
