@@ -127,6 +127,10 @@ class TrainConfig:
         "help": "share of the documents never trained on, chosen by a hash of their tokens (the same ones in "
                 "every epoch, on every rank): the drafter is measured on them without a gradient, logged as "
                 "val_loss, val_acc, val_tau_sim and val_tau_serve, what it does on text it has not seen; 0 = off"})
+    validation_max_new_tokens: int | None = field(default=None, metadata={
+        "help": "val_tau_serve walks at most this many tokens of each validation response, as a decode "
+                "with evaluate's max_new_tokens would (set the two alike to read one against the other); "
+                "None: each whole response"})
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
@@ -154,6 +158,8 @@ class TrainConfig:
             raise ValueError("grad_clip must be a positive norm, or null / 0 for no clip")
         if not 0.0 <= self.validation_share < 1.0:
             raise ValueError(f"validation_share must be in [0, 1), got {self.validation_share}")
+        if self.validation_max_new_tokens is not None and self.validation_max_new_tokens < 1:
+            raise ValueError(f"validation_max_new_tokens must be >= 1 or None, got {self.validation_max_new_tokens}")
 
 
 def lr_at(step: int, total: int | None, cfg: TrainConfig) -> float:

@@ -56,12 +56,15 @@ class ServedWalk:
     spans: list[tuple[int, int]]
     """[start, end) of each run of supervised validation tokens within one document."""
     block_size: int
+    max_new_tokens: int | None = None
+    """The decode's budget from each span's start (evaluate's ``max_new_tokens``); None: the span's end."""
 
 
 def walked_cycles(walks: list[ServedWalk]) -> list[tuple[int, bool]]:
     """(τ, whole block of budget) of every cycle of every span of ``walks``, their τ read back in one
     transfer. A cycle may draft up to the span's last token (a decode stops at the end token), so a
-    span [start, end) is walked as a text whose budget ends at end + 1."""
+    span [start, end) is walked as a text whose budget ends at end + 1, or at start + the walk's
+    ``max_new_tokens`` where that comes first."""
     from dflash_model.target.spec_decode import cycles_on_text
 
     taus = torch.cat([w.block_tau.detach().double() for w in walks]).tolist() if walks else []
@@ -69,7 +72,10 @@ def walked_cycles(walks: list[ServedWalk]) -> list[tuple[int, bool]]:
     for w in walks:
         tau = dict(zip(w.anchors, taus[at:at + len(w.anchors)]))
         at += len(w.anchors)
-        cycles += [c for start, end in w.spans for c in cycles_on_text(tau, start, end + 1, w.block_size)]
+        cap = w.max_new_tokens
+        cycles += [c for start, end in w.spans
+                   for c in cycles_on_text(tau, start, end + 1 if cap is None else min(end + 1, start + cap),
+                                           w.block_size)]
     return cycles
 
 

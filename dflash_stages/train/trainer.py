@@ -338,7 +338,8 @@ class Trainer:
                 outs.append((self._loss(batch, chunk), chunk.numel()))
         stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel() for k in VAL_MEANS}
         walk = ServedWalk(anchors.tolist(), torch.cat([out.block_tau[:m] for out, m in outs]),
-                          supervised_spans(batch.loss_mask, docs), self.cfg.block_size)
+                          supervised_spans(batch.loss_mask, docs), self.cfg.block_size,
+                          self.cfg.validation_max_new_tokens)
         return [{**stats, "walk": walk}]
 
     def save_compile_cache(self) -> str | None:

@@ -252,27 +252,34 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
         assert ("val_tau_serve" in record) == (h is not None)
     with pytest.raises(ValueError, match="validation_share"):
         TrainConfig(validation_share=1.0)
+    with pytest.raises(ValueError, match="validation_max_new_tokens"):
+        TrainConfig(validation_max_new_tokens=0)
 
 
-def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cap", [None, 9])
+def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Path, cap: int | None) -> None:
     """val_tau_serve is what a served decode would make on the validation documents: each response
     walked from its first token, every next cycle at the last anchor plus its τ (capped by the
-    tokens left), counted over the cycles with a whole block. Each anchor's τ is taken here from the
-    drafter on that one block alone, before the step trains; the trainer takes them 8 at a time."""
+    tokens left: to the response's end, or to ``validation_max_new_tokens`` from its start, as a
+    decode with that max_new_tokens), counted over the cycles with a whole block. Each anchor's τ
+    is taken here from the drafter on that one block alone, before the step trains; the trainer
+    takes them 8 at a time."""
     from dataclasses import replace
 
     from dflash_model.drafter import FeatureBatch
     from dflash_stages.train.trainer import validation_tokens
 
     B = 4
-    cfg = TrainConfig(num_layers=1, block_size=B, num_anchors=8, lr=1e-2, log_every=1, validation_share=0.5)
+    cfg = TrainConfig(num_layers=1, block_size=B, num_anchors=8, lr=1e-2, log_every=1, validation_share=0.5,
+                      validation_max_new_tokens=cap)
     target = tiny_qwen3()
     rows_cfg = RandomRowsConfig(rows=ROWS, tokens_per_row=96, docs_per_row=3, vocab_size=499)
     features = torch.randn(96, len(LAYERS) * target["hidden_size"], generator=torch.Generator().manual_seed(1))
     row = dict(random_row(rows_cfg, 1), kind="row", last_hidden=None, rows_per_epoch=ROWS, epochs=1,
                features=features, state={"position": 2}, state_stage="pack")
     tr = trainer(cfg, header(target, LAYERS), tmp_path / "val")
-    learnt = trainer(replace(cfg, validation_share=0.0, num_anchors=96, total_steps=200, warmup_ratio=0.0),
+    learnt = trainer(replace(cfg, validation_share=0.0, validation_max_new_tokens=None, num_anchors=96,
+                             total_steps=200, warmup_ratio=0.0),
                      header(target, LAYERS), tmp_path / "learnt")
     for _ in range(45):  # the row half by heart, its validation documents too: τ of 1 to B to walk over
         learnt.train_step([row])
@@ -284,16 +291,20 @@ def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Pat
     mask, docs = val.loss_mask.tolist(), [d for d, n in enumerate(batch.doc_lengths) for _ in range(n)]
     tau = {a: round(float(tr._loss(val, torch.tensor([a])).block_tau[0]))
            for a in range(95) if mask[a] and mask[a + 1] and docs[a] == docs[a + 1]}
-    cycles = []
+    cycles, uncapped = [], 0
     for start in (i for i in range(96) if mask[i] and (i == 0 or not mask[i - 1] or docs[i - 1] != docs[i])):
         end = next((j for j in range(start, 96) if not mask[j] or docs[j] != docs[start]), 96)
-        a = start
-        while a in tau:  # a decode drafts at most up to the response's last token, end - 1
-            budget = min(B - 1, end - 1 - a)
-            cycles.append((min(tau[a], budget + 1), budget == B - 1))
-            a += cycles[-1][0]
+        stop = end if cap is None else min(end, start + cap - 1)  # the decode's last token: the response's
+        a = start                                                # end token (end), or its max_new_tokens-th
+        while a in tau:  # a decode drafts at most up to its last token
+            uncapped += 1
+            if a < stop:
+                budget = min(B - 1, stop - 1 - a)
+                cycles.append((min(tau[a], budget + 1), budget == B - 1))
+            a += min(tau[a], end - a)
     whole = [t for t, w in cycles if w]
-    assert len(whole) < len(cycles) and {1, B} <= set(whole)
+    assert {1, B} <= set(whole) or cap is not None
+    assert len(cycles) < uncapped if cap is not None else len(whole) < len(cycles)  # the cap cuts the walk
 
     step = tr.train_step([row])
     tr.metrics.add(step)
