@@ -4,7 +4,8 @@ A KV layer forgets rejected drafts by cropping. A linear-attention layer (Qwen3.
 any layer transformers caches as ``LinearAttentionCacheLayerMixin``) keeps a conv window and a
 recurrent state into which the verify forward has already folded every draft, accepted or not; that
 state cannot be cropped (transformers refuses), so the decode loop snapshots it before verifying and,
-when a draft is rejected, restores the snapshot and re-runs the kept tokens (docs/hybrid_targets.md, 'The Qwen3.6-27B shape').
+when a draft is rejected, restores the snapshot and re-runs the kept tokens (docs/hybrid_targets.md,
+'The Qwen3.6-27B shape').
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def linear_state_layers(cache: Any) -> list[Any]:
 
 
 def _states(layer: Any) -> list[torch.Tensor]:
-    return [t for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None]
+    """The layer's conv and recurrent states, and from transformers 5.25 on the count of tokens it
+    has folded in (``cumulative_length_linear``), which must roll back with them."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    return ([t for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None]
+            + ([count] if isinstance(count, torch.Tensor) else []))
 
 
 def snapshot(layers: Sequence[Any]) -> LinearStates:
@@ -59,11 +64,12 @@ def restore(layers: Sequence[Any], saved: LinearStates) -> None:
 
 def crop(cache: Any, length: int) -> None:
     """Drop the KV entries after the first ``length`` tokens; linear layers are left to
-    :func:`restore`. (A negative crop means "remove n" in every transformers version; 5.24 rejects
-    the older absolute form.)"""
-    extra = cache.get_seq_length() - length
-    if extra <= 0:
-        return
+    :func:`restore`. Each KV layer is measured on its own: from transformers 5.25 on, the cache's
+    length is its first layer's, a linear one in Qwen3.5, which :func:`restore` has already rewound.
+    (A negative crop means "remove n" in every transformers version; 5.24 rejects the older
+    absolute form.)"""
     for layer in cache.layers:
         if not isinstance(layer, _linear_layer_classes()):
-            layer.crop(-extra)
+            extra = int(layer.get_seq_length()) - length
+            if extra > 0:
+                layer.crop(-extra)
