@@ -30,7 +30,7 @@ FILES = ["tests/target/test_decode_kv.py", "tests/stages/test_generate.py", "tes
 
 def declared_floor() -> str:
     """The lowest transformers pyproject.toml admits."""
-    found = re.search(r'"transformers>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    found = re.search(r'"transformers>=([0-9.]+)[",]', (REPO / "pyproject.toml").read_text())
     assert found, "pyproject.toml declares no transformers>= floor"
     return found[1]
 
