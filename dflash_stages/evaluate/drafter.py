@@ -61,8 +61,8 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
                            "tau_sim_train": last.get("tau_sim"), "tau_serve_train": last.get("tau_serve")}
     val = [r for r in recs if r.get("val_tau_serve") is not None]
     if val:  # train validation_share
-        out.update(tau_serve_val=val[-1]["val_tau_serve"], acc_val=val[-1].get("val_acc"))
-        out.update(last_epoch_validation(recs) or {})
+        out.update(last_epoch_validation(recs) or {"tau_serve_val": val[-1]["val_tau_serve"]},
+                   acc_val=val[-1].get("val_acc"))
     if "elapsed_s" in last:
         out["train_time_s"] = float(last["elapsed_s"])
     if "tokens" in last:
@@ -76,11 +76,12 @@ def training_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | N
 def last_epoch_validation(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """``tau_serve_val`` pooled over the cycles of every window of the last epoch (each validation
     document is walked once an epoch), with their count ``val_cycles``: one window's walk covers a
-    document or two, too few to read a served τ from. None where the records lack ``epoch`` or
+    few documents, too few to read a served τ from. None where the records lack ``epoch`` or
     ``val_cycles`` (older logs, or rows without the pack stage's plan)."""
     end = records[-1].get("epoch")
-    last = [r for r in records if r.get("val_cycles") and r.get("epoch") is not None and end is not None
-            and r["epoch"] > end - 1]
+    if end is None:
+        return None
+    last = [r for r in records if r.get("val_cycles") and r.get("epoch") is not None and r["epoch"] > end - 1]
     cycles = sum(int(r["val_cycles"]) for r in last)
     if not cycles:
         return None
