@@ -34,16 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.target import fp8  # noqa: E402
 
-from train_step import median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
+from train_step import int_list, median_ms, sync  # noqa: E402  (benchmarks/ is the script's directory)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NO_CUDA = ("fp8_quantize.py needs a CUDA GPU: it compares e4m3 bytes written on the GPU and times them "
            "(the CPU tests of the kernel: tests/fast/test_fp8_quant_triton.py)")
-
-
-def int_list(text: str) -> list[int]:
-    """'5120' or '5120,6144' -> [5120] or [5120, 6144]."""
-    return [int(v) for v in text.split(",")]
 
 
 def traffic(m: int, k: int, in_bytes: int) -> int:
