@@ -20,6 +20,7 @@ from dflash_model.fast.settings import compile_wanted
 from dflash_model.target import packed_attention
 from dflash_model.target.capture import FeatureCapture, target_header
 from dflash_model.target.layers import decoder_layers
+from dflash_model.target.linear_attention import linear_mixers
 from dflash_model.target.load import load_target
 
 
@@ -50,8 +51,15 @@ class FeatureTarget:
     """Seconds the load took."""
 
     def compile_layers(self) -> None:
-        """Regional compile of the decoder layers (the hooks stay outside the graphs)."""
+        """Regional compile of the decoder layers (the hooks stay outside the graphs), and of the
+        linear-attention mixers' gated norms: a hybrid's mixer runs outside its layer's graph
+        (``linear_attention``), so its norm would otherwise run as eight float32 kernels over
+        every value head. The norms may see several lengths (on the CPU the mixer runs once per
+        document), so their graph turns dynamic rather than compiling again for each."""
         compile_blocks(decoder_layers(self.model))
+        norms = [mixer.norm for mixer in linear_mixers(self.model) if hasattr(mixer, "norm")]
+        if norms:
+            compile_blocks(norms, dynamic=None)
         self.compiled = True
 
     @property

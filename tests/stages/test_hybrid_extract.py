@@ -119,6 +119,36 @@ def test_compiled_layers_keep_documents_apart(hybrid: Path, tmp_path: Path) -> N
             start += n
 
 
+@hybrid_on_cpu
+@pytest.mark.parametrize("hybrid", ["text"], indirect=True)
+def test_compile_layers_compiles_the_linear_mixers_gated_norms(hybrid: Path) -> None:
+    """The mixers run outside their layers' graphs, so ``compile_layers`` compiles their gated norms
+    on their own: every norm's forward is replaced, all share one graph, a second length makes it
+    dynamic instead of compiling once per length, and each equals its eager norm beyond rounding."""
+    from torch._dynamo.utils import counters
+
+    from dflash_model.target.features import load_feature_target
+
+    target = load_feature_target(str(hybrid), "cpu", dtype="float32", layers=LINEAR, compile="off")
+    norms = [mixer.norm for mixer in linear_mixers(target.model)]
+    assert len(norms) == TYPES.count("linear_attention")
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.uniform_(0.5, 1.5)  # one weight each, as trained norms have
+        torch.manual_seed(0)
+        inputs = [(torch.randn(n, 16), torch.randn(n, 16)) for n in (48, 80, 112)]
+        eager = [[norm(x, z) for x, z in inputs] for norm in norms]
+        torch._dynamo.reset()
+        counters.clear()
+        target.compile_layers()
+        assert all(norm.forward.__func__ is not type(norm).forward for norm in norms)
+        for norm, wanted in zip(norms, eager):
+            for (x, z), want in zip(inputs, wanted):
+                torch.testing.assert_close(norm(x, z), want, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2  # the first length, then one dynamic graph
+    torch._dynamo.reset()
+
+
 def reference_kernels(mixer: torch.nn.Module) -> Kernels:
     """fla's two varlen kernels done with transformers' torch code of the mixer's own module, one
     document at a time: the CPU stand-in for the CUDA path."""
