@@ -18,6 +18,11 @@ from typing import Any
 HYBRID = "5.14.0"
 """The oldest transformers that runs hybrid targets (their linear-attention state in dicts per layer)."""
 
+NO_HUB_KERNELS: dict[str, Any] = {"use_kernels": False}
+"""``from_pretrained`` keywords for every model we load. transformers 5.25 turned hub kernels on by
+default (``kernels`` swaps layers for code fetched from the Hugging Face hub at run time); we load
+offline, and the features must be the model's own math on every machine. 4.57.1 takes the keyword too."""
+
 
 class TransformersTooOld(RuntimeError):
     """A model needs a newer transformers than the one installed."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dflash_model.fast.settings import triton_installed
+from dflash_model.target.compat import NO_HUB_KERNELS
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -420,7 +421,7 @@ def load_fp8_target(path: str, quant: Mapping[str, Any], torch_dtype: torch.dtyp
     report.addFilter(_scales_only_report)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation)
+                                                     attn_implementation=attn_implementation, **NO_HUB_KERNELS)
     finally:
         report.removeFilter(_scales_only_report)
     if not attach_checkpoint_scales(model, path, quant["weight_block_size"]):

@@ -36,7 +36,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # no public model: small enough to try a multi-process layout on CPU in seconds
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
-    # Qwen3.6-27B's text model (docs/hybrid_targets.md, 'The Qwen3.6-27B shape'): 16 x [3 Gated DeltaNet + 1 gated full attention]
+    # Qwen3.6-27B's text model (docs/hybrid_targets.md, 'The Qwen3.6-27B shape'):
+    # 16 x [3 Gated DeltaNet + 1 gated full attention]
     "qwen3.6-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
                     "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
                     "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
@@ -152,8 +153,8 @@ def load_target(model: str, device: str = "cpu", dtype: str = "auto",
         if quant is not None:
             lm = fp8.load_fp8_target(model, quant, torch_dtype, attn_implementation)
         else:
-            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
-                                                      attn_implementation=attn_implementation)
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                      **compat.NO_HUB_KERNELS)
     got = getattr(lm.config, "_attn_implementation", None)
     if attn_implementation == packed_attention.NAME and got != attn_implementation:
         # the mask built for each row follows the implementation: a silent fallback would

@@ -37,6 +37,8 @@ import pathlib
 import threading
 from typing import Any
 
+from dflash_model.target.compat import NO_HUB_KERNELS
+
 SMOLLM2_REF = "smollm2"
 """Pipeline reference: ``model: smollm2`` / ``tokenizer: smollm2`` resolve via this module."""
 
@@ -182,7 +184,7 @@ def load_smollm2(dtype=None, *, eval_mode: bool = True, **model_kwargs):
     with _fast_gguf_parsing():
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, **model_kwargs
+            str(path.parent), gguf_file=path.name, dtype=dtype, **NO_HUB_KERNELS, **model_kwargs
         )
     # The GGUF stores no quantization for the dequantized model; drop the marker
     # so that save_pretrained / .to() treat it as a plain fp model.

@@ -63,3 +63,18 @@ def test_a_hybrid_target_is_refused_before_its_version(tmp_path: Path) -> None:
         need = f"transformers>={compat.HYBRID}"
         assert str(err.value) == (f"{ref} is a hybrid (linear-attention) target: it needs {need}, "
                                   f"{transformers.__version__} is installed (pip install '{need}')")
+
+
+def test_targets_load_without_hub_kernels(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """From 5.25 transformers kernelizes every ``from_pretrained`` model by default with code the
+    ``kernels`` package fetches from the hub; our loads turn that off (offline, and each target's
+    own math on every machine): a saved model, the same saved as an FP8 checkpoint, and SmolLM2."""
+    from dflash_model.target import fp8
+    from tests.stages.online_fixtures import tiny_target
+
+    saved = tiny_target(tmp_path_factory.getbasetemp())
+    model, _ = load_target(str(saved), "cpu", "float32", "sdpa")
+    fp8.save_fp8_checkpoint(model, tmp_path / "fp8")
+    for ref in (str(saved), str(tmp_path / "fp8"), "smollm2"):
+        lm, _ = load_target(ref, "cpu", "float32", "sdpa")
+        assert lm.use_kernels is False, ref
