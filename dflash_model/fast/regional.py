@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 
-def compile_blocks(layers: Sequence[nn.Module], dynamic: bool | None = False) -> None:
+def compile_blocks(layers: Sequence[nn.Module], dynamic: bool = False) -> None:
     """Send every block's ``forward`` through one torch.compile'd function (Inductor fuses the
     norms, RoPE, SwiGLU and residual adds that HF runs as separate kernels; blocks of one kind
     share a graph). Only ``forward`` is replaced, so forward hooks, which run in the module call
     around it, stay outside the graph and can come and go without recompiling. ``dynamic=False``
     is for fixed-length rows (extract): a forward whose length changes every call (decoding with a
-    KV cache) would recompile; ``None`` lets torch make a shape dynamic once it has changed."""
+    KV cache) would recompile; ``True`` compiles one graph for every shape. (``None``, dynamic once
+    a shape changed, would not help a block called inside a ``dynamic=False`` graph: that setting
+    holds for everything the outer call runs.)"""
     compiled = torch.compile(type(layers[0]).forward, dynamic=dynamic)
     for layer in layers:
         layer.forward = types.MethodType(compiled, layer)

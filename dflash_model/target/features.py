@@ -53,13 +53,17 @@ class FeatureTarget:
     def compile_layers(self) -> None:
         """Regional compile of the decoder layers (the hooks stay outside the graphs), and of the
         linear-attention mixers' gated norms: a hybrid's mixer runs outside its layer's graph
-        (``linear_attention``), so its norm would otherwise run as eight float32 kernels over
-        every value head. The norms may see several lengths (on the CPU the mixer runs once per
-        document), so their graph turns dynamic rather than compiling again for each."""
+        (``linear_attention``), so transformers' torch norm would otherwise run as eight float32
+        kernels over every value head (fla's own norm kernel, which transformers takes in some
+        versions, is left as it is). The norms are compiled for any row count: without fla the
+        mixer runs once per document, so they see every document's length, and a compile inside a
+        row the compile gate already knows must not happen."""
         compile_blocks(decoder_layers(self.model))
-        norms = [mixer.norm for mixer in linear_mixers(self.model) if hasattr(mixer, "norm")]
+        norms = [mixer.norm for mixer in linear_mixers(self.model)
+                 if isinstance(getattr(mixer, "norm", None), nn.Module)
+                 and not type(mixer.norm).__module__.startswith("fla.")]
         if norms:
-            compile_blocks(norms, dynamic=None)
+            compile_blocks(norms, dynamic=True)
         self.compiled = True
 
     @property

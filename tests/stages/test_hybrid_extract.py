@@ -123,29 +123,32 @@ def test_compiled_layers_keep_documents_apart(hybrid: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize("hybrid", ["text"], indirect=True)
 def test_compile_layers_compiles_the_linear_mixers_gated_norms(hybrid: Path) -> None:
     """The mixers run outside their layers' graphs, so ``compile_layers`` compiles their gated norms
-    on their own: every norm's forward is replaced, all share one graph, a second length makes it
-    dynamic instead of compiling once per length, and each equals its eager norm beyond rounding."""
-    from torch._dynamo.utils import counters
+    on their own: every norm's forward is replaced and equals its eager norm beyond rounding, and
+    rows cut into a dozen document lengths (the mixer runs once per document on the CPU) share one
+    graph of the norm, inside the compiled layers, where torch would otherwise recompile per length
+    until its limit."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from dflash_model.target.features import load_feature_target
 
     target = load_feature_target(str(hybrid), "cpu", dtype="float32", layers=LINEAR, compile="off")
     norms = [mixer.norm for mixer in linear_mixers(target.model)]
     assert len(norms) == TYPES.count("linear_attention")
+    torch._dynamo.reset()
     with torch.no_grad():
         for norm in norms:
             norm.weight.uniform_(0.5, 1.5)  # one weight each, as trained norms have
         torch.manual_seed(0)
-        inputs = [(torch.randn(n, 16), torch.randn(n, 16)) for n in (48, 80, 112)]
-        eager = [[norm(x, z) for x, z in inputs] for norm in norms]
-        torch._dynamo.reset()
-        counters.clear()
+        x, z = torch.randn(48, 16), torch.randn(48, 16)
+        eager = [norm(x, z) for norm in norms]
         target.compile_layers()
         assert all(norm.forward.__func__ is not type(norm).forward for norm in norms)
-        for norm, wanted in zip(norms, eager):
-            for (x, z), want in zip(inputs, wanted):
-                torch.testing.assert_close(norm(x, z), want, rtol=1e-5, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 2  # the first length, then one dynamic graph
+        for norm, want in zip(norms, eager):
+            torch.testing.assert_close(norm(x, z), want, rtol=1e-5, atol=1e-6)
+        rng = np.random.default_rng(2)
+        for cut in [(40, 24, 20), (30, 50, 4), (10, 70, 4), (25, 25, 34), (12, 33, 39), (7, 77)]:
+            target.capture.capture_row(packed_row([rng.integers(0, 5999, n) for n in cut]))
+    assert len(_debug_get_cache_entry_list(type(norms[0]).forward.__code__)) == 1
     torch._dynamo.reset()
 
 
