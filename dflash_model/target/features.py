@@ -20,7 +20,7 @@ from dflash_model.fast.settings import compile_wanted
 from dflash_model.target import packed_attention
 from dflash_model.target.capture import FeatureCapture, target_header
 from dflash_model.target.layers import decoder_layers
-from dflash_model.target.linear_attention import linear_mixers
+from dflash_model.target.linear_attention import document_boundaries, linear_mixers
 from dflash_model.target.load import load_target
 
 
@@ -55,15 +55,19 @@ class FeatureTarget:
         linear-attention mixers' gated norms: a hybrid's mixer runs outside its layer's graph
         (``linear_attention``), so transformers' torch norm would otherwise run as eight float32
         kernels over every value head (fla's own norm kernel, which transformers takes in some
-        versions, is left as it is). The norms are compiled for any row count: without fla the
-        mixer runs once per document, so they see every document's length, and a compile inside a
-        row the compile gate already knows must not happen."""
+        versions, is left as it is). On CUDA with fla the mixer runs over whole rows, one shape per
+        row length as the layers see, so the norms get static graphs too; otherwise it runs once
+        per document, and their graph takes any row count, so that no document length compiles
+        inside a row the compile gate already knows."""
         compile_blocks(decoder_layers(self.model))
         norms = [mixer.norm for mixer in linear_mixers(self.model)
                  if isinstance(getattr(mixer, "norm", None), nn.Module)
                  and not type(mixer.norm).__module__.startswith("fla.")]
         if norms:
-            compile_blocks(norms, dynamic=True)
+            boundaries = document_boundaries(self.model)
+            whole_rows = (boundaries is not None and boundaries.kernels is not None
+                          and next(self.model.parameters()).is_cuda)
+            compile_blocks(norms, dynamic=not whole_rows)
         self.compiled = True
 
     @property
