@@ -20,6 +20,33 @@ from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.snapshots import SnapshotPolicy
 
 
+def fp8_refusal(device: str, keys: list[str]) -> str | None:
+    """Why ``keys`` (train params set to fp8) cannot run on ``device``, or None: FP8 products need
+    FP8 tensor cores (CUDA compute capability 8.9 or newer). The CPU runs them (slowly, for tests);
+    a CUDA device this host cannot see is not judged (``validate`` on a machine without the GPUs)."""
+    if not keys or not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        return None
+    return fp8_capability_refusal(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                                  device, keys)
+
+
+def fp8_capability_refusal(gpu: str, capability: tuple[int, int], device: str, keys: list[str]) -> str | None:
+    """:func:`fp8_refusal`'s verdict for a GPU of ``capability``, with the settings to change."""
+    if capability >= (8, 9):
+        return None
+    sets = " ".join(f"--set stages.train.params.{key}=model" for key in keys)
+    return (f"{' and '.join(keys)}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
+            f"Ada, Hopper, Blackwell); {device} is {gpu} ({capability[0]}.{capability[1]}). Train in the "
+            f"drafter's dtype instead: {sets}")
+
+
 class DFlashTrain(Stage):
     kind = "train"
     name = "dflash"
@@ -35,10 +62,18 @@ class DFlashTrain(Stage):
 
     @classmethod
     def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
-        """Snapshots must fall between rows (``steps_per_row``) where every producer rank of a
-        fan-in has sent as many rows: the trainer would refuse the cadence at its first step; say
-        so before anything starts."""
+        """FP8 products on a GPU without FP8 tensor cores, and snapshots that would not fall
+        between rows: both would stop the run at its first step, hours in on a large target."""
         cfg: TrainConfig = pipeline.stages[name].config
+        fp8 = [key for key in ("lm_head_dtype", "mlp_dtype") if getattr(cfg, key) == "fp8"]
+        refusal = fp8_refusal(pipeline.stages[name].device, fp8)
+        return [*([Problem(name, refusal, ("params", fp8[0]))] if refusal else []),
+                *cls._check_snapshots(pipeline, name, cfg)]
+
+    @classmethod
+    def _check_snapshots(cls, pipeline: Pipeline, name: str, cfg: TrainConfig) -> Iterable[Problem]:
+        """Snapshots must fall between rows (``steps_per_row``) where every producer rank of a
+        fan-in has sent as many rows: the trainer would refuse the cadence at its first step."""
         consumers = pipeline.consumer_facts(name)
         try:
             SnapshotPolicy.for_trainer(cfg.checkpoint_every, consumers, pipeline.fan_in(name).get("features", 1),

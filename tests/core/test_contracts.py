@@ -131,6 +131,27 @@ def test_a_cadence_inside_a_row_of_several_steps_is_refused(cli, write_pipeline)
     assert cli("validate", path, "--set", "stages.checkpoint.params.every_steps=12").code == 0
 
 
+def test_fp8_training_on_a_gpu_without_fp8_tensor_cores_is_refused_with_the_settings_to_change(
+        cli, write_pipeline) -> None:
+    """lm_head_dtype / mlp_dtype fp8 need compute capability 8.9 or newer: an A100 is refused with
+    the --set that trains in the drafter's dtype; Ada and Hopper pass; so does the CPU (where the
+    tests run FP8 products) and a CUDA device this host cannot see (validate away from the GPUs)."""
+    from dflash_stages.train.stage import fp8_capability_refusal, fp8_refusal
+
+    assert fp8_capability_refusal("NVIDIA H200", (9, 0), "cuda:0", ["lm_head_dtype"]) is None
+    assert fp8_capability_refusal("NVIDIA L40S", (8, 9), "cuda:1", ["mlp_dtype"]) is None
+    assert fp8_capability_refusal("NVIDIA A100-SXM4-80GB", (8, 0), "cuda:2", ["lm_head_dtype", "mlp_dtype"]) == (
+        "lm_head_dtype and mlp_dtype: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
+        "Ada, Hopper, Blackwell); cuda:2 is NVIDIA A100-SXM4-80GB (8.0). Train in the drafter's dtype instead: "
+        "--set stages.train.params.lm_head_dtype=model --set stages.train.params.mlp_dtype=model")
+    assert fp8_refusal("cpu", ["lm_head_dtype"]) is None
+    assert fp8_refusal("cuda:0", []) is None
+    path = write_pipeline(FAN_IN.replace(", ranks: [0, 1]", "").replace(", ranks: [2]", "")
+                          .replace("'train:dflash', after: extract", "'train:dflash', after: extract, "
+                                   "params: {lm_head_dtype: fp8, mlp_dtype: fp8}"))
+    assert cli("validate", path).code == 0
+
+
 @pytest.mark.parametrize("fan_in, rows_per_step, every", [(1, 1, 1000), (2, 1, 1000), (3, 1, 1002),
                                                          (3, 2, 1002), (4, 2, 1000), (6, 4, 1002)])
 def test_the_default_cadence_moves_up_to_the_nearest_step_a_fan_in_can_save_at(fan_in, rows_per_step,
