@@ -120,7 +120,8 @@ def test_plan_reads_the_hidden_size_of_the_preset_and_the_real_config() -> None:
 
 def test_the_production_pipeline_file(cli) -> None:
     """pipelines/qwen3_6_27b.yaml is valid once its CUDA devices are replaced (this host has none),
-    and is the production job: two target -> drafter GPU pairs, the published drafter shape."""
+    and is the production job: the FP8 checkpoint, target and drafter colocated on each GPU, the
+    published drafter shape with both FP8 products."""
     import yaml
 
     path = REPO / "pipelines" / "qwen3_6_27b.yaml"
@@ -129,9 +130,10 @@ def test_the_production_pipeline_file(cli) -> None:
     stages = yaml.safe_load(path.read_text())["stages"]
     tok = stages["tokenize"]["params"]
     assert (tok["tokenizer"], tok["thinking"], tok["max_len"]) == ("Qwen/Qwen3.6-27B", True, 8192)
-    assert stages["extract"]["params"] == {"model": "Qwen/Qwen3.6-27B", "layers": "auto"}
+    assert stages["extract"]["params"] == {"model": "Qwen/Qwen3.6-27B-FP8", "layers": "auto"}
     devices = (stages["extract"]["device"], stages["train"]["device"])
-    assert devices == ("cuda:{local_rank}", "cuda:{local_rank+2}")  # two pairs: GPU r -> GPU r+2
-    assert stages["train"]["params"]["drafter_shape"] == "published"
+    assert devices == ("cuda:{local_rank}", "cuda:{local_rank}")  # colocated: each GPU runs both
+    train = stages["train"]["params"]
+    assert (train["drafter_shape"], train["lm_head_dtype"], train["mlp_dtype"]) == ("published", "fp8", "fp8")
     assert stages["download"]["params"]["source"].startswith("s3://")
     assert stages["checkpoint"]["params"]["dest"].startswith("s3://")
