@@ -72,6 +72,9 @@ class Pipeline:
     run_dir: str
     stages: dict[str, StageSpec]
     version: int = 1
+    devices_checked: bool = False
+    """Whether the stages' devices were checked against this host (``run``); ``validate``,
+    ``plan`` and ``graph`` read a file away from its GPUs, so a check of a device's kind skips."""
 
     def graph(self) -> nx.DiGraph:
         """Stage DAG; each edge carries ``port`` and ``link``."""

@@ -152,7 +152,7 @@ class _Loader:
         self.cross_rank_links(specs, stage_nodes)
         if self.errors or version is None:
             return None
-        pipeline = Pipeline(self.path, run_dir, specs, version)
+        pipeline = Pipeline(self.path, run_dir, specs, version, devices_checked=self.check_devices)
         self.port_types(pipeline, stage_nodes)
         self.stage_checks(pipeline, stage_nodes)
         return None if self.errors else pipeline

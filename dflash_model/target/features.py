@@ -65,8 +65,7 @@ class FeatureTarget:
                  and not type(mixer.norm).__module__.startswith("fla.")]
         if norms:
             boundaries = document_boundaries(self.model)
-            whole_rows = (boundaries is not None and boundaries.kernels is not None
-                          and next(self.model.parameters()).is_cuda)
+            whole_rows = boundaries is not None and boundaries.whole_rows and next(self.model.parameters()).is_cuda
             compile_blocks(norms, dynamic=not whole_rows)
         self.compiled = True
 

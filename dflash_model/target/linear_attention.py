@@ -106,6 +106,11 @@ def varlen_mixer(mixer: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor, ke
     return mixer.out_proj(out.reshape(1, T, -1))
 
 
+def varlen_layout(mixer: nn.Module) -> bool:
+    """Whether ``mixer`` has what :func:`varlen_mixer` reads (:data:`VARLEN_LAYOUT`)."""
+    return all(hasattr(mixer, name) for name in VARLEN_LAYOUT)
+
+
 def linear_mixers(model: nn.Module) -> list[nn.Module]:
     """The token mixers (``linear_attn``) of the model's linear-attention decoder layers."""
     return [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
@@ -118,6 +123,9 @@ class DocumentBoundaries:
         self.kernels = kernels
         self._lengths: list[int] | None = None
         self._cu_seqlens: torch.Tensor | None = None
+        self.whole_rows = kernels is not None and all(varlen_layout(mixer) for mixer in mixers)
+        """Whether every mixer runs a packed row in one pass on CUDA (:func:`varlen_mixer`),
+        rather than once per document."""
         for mixer in mixers:
             mixer.forward = self._replacement(mixer, mixer.forward)
 
@@ -137,7 +145,7 @@ class DocumentBoundaries:
 
     def _replacement(self, mixer: nn.Module, own: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """The mixer's new forward: its own outside a packed row, cut at the documents inside one."""
-        varlen = self.kernels is not None and all(hasattr(mixer, n) for n in VARLEN_LAYOUT)
+        varlen = self.kernels is not None and varlen_layout(mixer)
 
         @torch.compiler.disable
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -21,9 +21,9 @@ from dflash_stages.train.snapshots import SnapshotPolicy
 
 
 def fp8_refusal(device: str, keys: list[str]) -> str | None:
-    """Why ``keys`` (train params set to fp8) cannot run on ``device``, or None: FP8 products need
-    FP8 tensor cores (CUDA compute capability 8.9 or newer). The CPU runs them (slowly, for tests);
-    a CUDA device this host cannot see is not judged (``validate`` on a machine without the GPUs)."""
+    """Why ``keys`` (train params set to fp8) cannot run on ``device`` of this host, or None: FP8
+    products need FP8 tensor cores (CUDA compute capability 8.9 or newer). The CPU runs them
+    (slowly, for tests). Asked by ``run`` only, which imports torch anyway."""
     if not keys or not device.startswith("cuda"):
         return None
     import torch
@@ -62,11 +62,12 @@ class DFlashTrain(Stage):
 
     @classmethod
     def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
-        """FP8 products on a GPU without FP8 tensor cores, and snapshots that would not fall
-        between rows: both would stop the run at its first step, hours in on a large target."""
+        """FP8 products on a GPU without FP8 tensor cores (when ``run`` checks this host's devices),
+        and snapshots that would not fall between rows: both would stop the run at its first step,
+        hours in on a large target."""
         cfg: TrainConfig = pipeline.stages[name].config
         fp8 = [key for key in ("lm_head_dtype", "mlp_dtype") if getattr(cfg, key) == "fp8"]
-        refusal = fp8_refusal(pipeline.stages[name].device, fp8)
+        refusal = fp8_refusal(pipeline.stages[name].device, fp8) if pipeline.devices_checked else None
         return [*([Problem(name, refusal, ("params", fp8[0]))] if refusal else []),
                 *cls._check_snapshots(pipeline, name, cfg)]
 

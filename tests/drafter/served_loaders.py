@@ -41,10 +41,11 @@ def run_job(job: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     if job["loader"] == "zlab":
-        model, info = zlab_model_class().from_pretrained(job["export"], dtype=torch.float32, output_loading_info=True)
+        model, info = zlab_model_class().from_pretrained(job["export"], dtype=torch.float32, output_loading_info=True,
+                                                         use_kernels=False)
         windows = [layer.self_attn.sliding_window for layer in model.layers]
     else:
-        model, info = transformers.AutoModel.from_pretrained(job["export"], trust_remote_code=True,
+        model, info = transformers.AutoModel.from_pretrained(job["export"], trust_remote_code=True, use_kernels=False,
                                                              dtype=torch.float32, output_loading_info=True)
         windows = [model.config.sliding_window if lt == "sliding_attention" else None
                    for lt in model.config.layer_types]

@@ -130,7 +130,7 @@ def test_the_production_pipeline_file(cli) -> None:
     stages = yaml.safe_load(path.read_text())["stages"]
     tok = stages["tokenize"]["params"]
     assert (tok["tokenizer"], tok["thinking"], tok["max_len"]) == ("Qwen/Qwen3.6-27B", True, 8192)
-    assert stages["extract"]["params"] == {"model": "Qwen/Qwen3.6-27B-FP8", "layers": "auto"}
+    assert stages["extract"]["params"] == {"model": "/models/Qwen3.6-27B-FP8", "layers": "auto"}  # FP8: a directory
     devices = (stages["extract"]["device"], stages["train"]["device"])
     assert devices == ("cuda:{local_rank}", "cuda:{local_rank}")  # colocated: each GPU runs both
     train = stages["train"]["params"]

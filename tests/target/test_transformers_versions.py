@@ -12,6 +12,7 @@ import pytest
 
 from dflash_model.target import compat
 from dflash_model.target.load import load_target
+from dflash_model.target.smollm2 import SMOLLM2_INSTALL_HINT, is_smollm2_available
 from dflash_model.target.spec_cache import linear_state_layers
 from dflash_model.target.spec_decode import new_cache
 from tests.transformers_versions import needs_hybrid
@@ -67,6 +68,7 @@ def test_a_hybrid_target_is_refused_before_its_version(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not compat.installed_at_least("5.25.0"),
                     reason="transformers before 5.25 leaves hub kernels off unless asked")
+@pytest.mark.skipif(not is_smollm2_available(), reason=f"SmolLM2 weights not installed; {SMOLLM2_INSTALL_HINT}")
 def test_targets_load_without_hub_kernels(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """From 5.25 transformers kernelizes every ``from_pretrained`` model by default with code the
     ``kernels`` package fetches from the hub; our loads turn that off (offline, and each target's
