@@ -133,9 +133,9 @@ def test_a_cadence_inside_a_row_of_several_steps_is_refused(cli, write_pipeline)
 
 def test_fp8_training_on_a_gpu_without_fp8_tensor_cores_is_refused_with_the_settings_to_change(
         cli, write_pipeline) -> None:
-    """lm_head_dtype / mlp_dtype fp8 need compute capability 8.9 or newer: an A100 is refused with
-    the --set that trains in the drafter's dtype; Ada and Hopper pass; so does the CPU (where the
-    tests run FP8 products) and a CUDA device this host cannot see (validate away from the GPUs)."""
+    """lm_head_dtype / mlp_dtype fp8 need compute capability 8.9 or newer: ``run`` refuses an A100
+    with the --set that trains in the drafter's dtype; Ada and Hopper pass; so does the CPU (where
+    the tests run FP8 products). ``validate`` reads a file away from its GPUs and does not judge."""
     from dflash_stages.train.stage import fp8_capability_refusal, fp8_refusal
 
     assert fp8_capability_refusal("NVIDIA H200", (9, 0), "cuda:0", ["lm_head_dtype"]) is None
