@@ -134,13 +134,17 @@ def dequantize_groups(x: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) 
     return x.float() * scale.repeat_interleave(group, -1)[..., :x.shape[-1]]
 
 
+FP8_COMPUTE_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with FP8 tensor cores (Ada; Hopper and Blackwell after it)."""
+
+
 def fp8_product_available(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores for ``torch._scaled_mm`` (CUDA, compute capability
-    8.9 or newer: Ada, Hopper, Blackwell)."""
+    :data:`FP8_COMPUTE_CAPABILITY` or newer)."""
     if device.type != "cuda":
         return False
     props = torch.cuda.get_device_properties(device)  # constant-folded inside a compiled layer
-    return (props.major, props.minor) >= (8, 9)
+    return (props.major, props.minor) >= FP8_COMPUTE_CAPABILITY
 
 
 def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,10 +39,13 @@ def fp8_refusal(device: str, keys: list[str]) -> str | None:
 
 def fp8_capability_refusal(gpu: str, capability: tuple[int, int], device: str, keys: list[str]) -> str | None:
     """:func:`fp8_refusal`'s verdict for a GPU of ``capability``, with the settings to change."""
-    if capability >= (8, 9):
+    from dflash_model.target.fp8 import FP8_COMPUTE_CAPABILITY  # imports torch: not at validate's import
+
+    if capability >= FP8_COMPUTE_CAPABILITY:
         return None
     sets = " ".join(f"--set stages.train.params.{key}=model" for key in keys)
-    return (f"{' and '.join(keys)}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
+    need = ".".join(map(str, FP8_COMPUTE_CAPABILITY))
+    return (f"{' and '.join(keys)}: fp8 needs a GPU with FP8 tensor cores (compute capability {need} or newer: "
             f"Ada, Hopper, Blackwell); {device} is {gpu} ({capability[0]}.{capability[1]}). Train in the "
             f"drafter's dtype instead: {sets}")
 
