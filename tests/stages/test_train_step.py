@@ -256,6 +256,37 @@ def test_validation_documents_are_measured_and_never_trained_on(tmp_path: Path) 
         TrainConfig(validation_max_new_tokens=0)
 
 
+def test_a_training_step_compiles_alone_after_a_validation_of_its_row_length(tmp_path: Path, monkeypatch) -> None:
+    """The validation of a row (no gradient) and the training step on it compile different graphs:
+    the validation having run at a row length must not let the step's first call at that length run
+    beside the target's compiled forward (the lazy backward compile flags FX tracing process-wide,
+    and extract's compiled call then fails). Each is held alone at its first call, then runs warm."""
+    from dflash_model.fast.compile_gate import CompileGate
+    from dflash_stages.train import trainer as trainer_module
+
+    class Recording(CompileGate):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[bool] = []  # whether each call was held alone
+
+        def call(self, party, key=None, compiled=True):  # every call as a compiled one (CUDA's case)
+            self.calls.append(not self.is_warm(party, key))
+            return super().call(party, key, True)
+
+    gate = Recording()
+    monkeypatch.setattr(trainer_module, "GATE", gate)
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, validation_share=0.5)
+    target = tiny_qwen3()
+    rows = [dict(random_row(RandomRowsConfig(rows=3, tokens_per_row=96, docs_per_row=6, vocab_size=499), i),
+                 kind="row", features=torch.randn(96, len(LAYERS) * target["hidden_size"]), last_hidden=None,
+                 rows_per_epoch=3, epochs=1, state={"position": i + 1}, state_stage="pack") for i in range(3)]
+    t = trainer(cfg, header(target, LAYERS), tmp_path)
+    for row in rows:
+        assert t.train_step([row]).val_stats  # every row holds validation documents at this share
+    # per row: the validation, then the step
+    assert gate.calls == [True, True, False, False, False, False]
+
+
 @pytest.mark.parametrize("cap", [None, 9])
 def test_val_tau_serve_is_a_decode_walked_over_the_validation_text(tmp_path: Path, cap: int | None) -> None:
     """val_tau_serve is what a served decode would make on the validation documents: each response
