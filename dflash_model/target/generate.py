@@ -9,7 +9,10 @@ targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every lay
 
 * finished rows leave the cache once they are a quarter of the rows in flight, and
 * their places are refilled from the prompts still waiting, so the batch stays full to the end
-  (continuous batching). A newcomer's prompt is prefilled on its own and its KV rows are placed
+  (continuous batching). With ``max_batch_tokens`` the rows in flight are bounded by what their
+  cache can grow to (rows × (longest prompt + ``max_new_tokens``)), not by a row count alone: the
+  step's cost is mostly the host launching kernels, so short prompts decoded many at a time make
+  more tokens a second in the memory that long ones need. A newcomer's prompt is prefilled on its own and its KV rows are placed
   beside the others, left-padded to the same width; positions are given per row, so a row's slot
   in the cache does not matter. Columns that have become padding in every row are cut off.
 
@@ -107,6 +110,8 @@ class _Flight:
         self.pos = torch.zeros((0, 1), dtype=torch.long, device=self.dev)
         self.rows = torch.zeros(0, dtype=torch.long, device=self.dev)
         self.made = torch.zeros(0, dtype=torch.long, device=self.dev)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.dev)  # each row's prompt length
+        self.longest = 0  # the longest prompt in flight
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -144,6 +149,8 @@ class _Flight:
         self.pos = torch.cat([self.pos, pos[:, -1:]])
         self.rows = torch.cat([self.rows, torch.tensor(list(rows), dtype=torch.long, device=self.dev)])
         self.made = torch.cat([self.made, torch.zeros(len(rows), dtype=torch.long, device=self.dev)])
+        self.lengths = torch.cat([self.lengths, mask.sum(1)])
+        self.longest = max(self.longest, max(len(p) for p in prompts))
         return logits
 
     def keep(self, keep: torch.Tensor) -> None:
@@ -153,6 +160,8 @@ class _Flight:
             self._empty()
             return
         self.mask, self.pos, self.rows, self.made = self.mask[keep], self.pos[keep], self.rows[keep], self.made[keep]
+        self.lengths = self.lengths[keep]
+        self.longest = int(self.lengths.max())
         first = int(self.mask.any(0).nonzero()[0])
         for layer in self.cache.layers:
             layer.adopt(layer.keys[keep, :, first:], layer.values[keep, :, first:])
@@ -162,21 +171,43 @@ class _Flight:
 @torch.no_grad()
 def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
              eos: Sequence[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, progress: Callable[[int, int], None] | None = None) -> list[Completion]:
+             seed: int = 0, progress: Callable[[int, int], None] | None = None,
+             max_batch_tokens: int | None = None) -> list[Completion]:
     """The completion of each prompt (greedy when ``temperature`` is 0), at most ``batch_size`` rows
-    in flight. Rows join in the order given: the caller sorts by length, so that rows side by side
-    need little padding. ``progress(rows, tokens)`` is told each time finished rows leave."""
+    in flight and, with ``max_batch_tokens``, at most that many cache positions once they are all
+    done (rows × (longest prompt + ``max_new_tokens``); one row always runs). Rows join in the
+    order given: the caller sorts by length, so that rows side by side need little padding.
+    ``progress(rows, tokens)`` is told each time finished rows leave."""
     if not prompts:
         return []
     flight = _Flight(model, pad_id)
     dev = flight.dev
+
+    def joiners(start: int) -> range:
+        """The waiting prompts from ``start`` that fit beside the rows in flight."""
+        stop, longest = start, flight.longest
+        while stop < len(prompts) and len(flight) + stop - start < batch_size:
+            wider = max(longest, len(prompts[stop]))
+            if (max_batch_tokens is not None and len(flight) + stop - start > 0
+                    and (len(flight) + stop - start + 1) * (wider + max_new_tokens) > max_batch_tokens):
+                break
+            stop, longest = stop + 1, wider
+        return range(start, stop)
+
+    def room() -> int:
+        """How many rows the flight holds at its longest prompt: where refilling is measured from."""
+        if max_batch_tokens is None:
+            return batch_size
+        return max(1, min(batch_size, max_batch_tokens // (flight.longest + max_new_tokens)))
+
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     stopping = {int(e) for e in eos}
     stop = torch.tensor(sorted(stopping), dtype=torch.long, device=dev)
     # one column more than a row can fill: rows that are done (masked riders) write their pad there
     out = torch.full((len(prompts), max_new_tokens + 1), pad_id, dtype=torch.long, device=dev)
-    joined = min(batch_size, len(prompts))
-    logits = flight.admit(prompts[:joined], range(joined))
+    joining = joiners(0)
+    logits = flight.admit([prompts[i] for i in joining], joining)
+    joined = joining.stop
     refill = _plain_kv(flight.cache)
     done = torch.zeros(joined, dtype=torch.bool, device=dev)
     while len(flight):
@@ -192,8 +223,10 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
             flight.keep(keep)
             tok, done = tok[keep], done[keep]
         logits = flight.step(tok) if len(flight) else None
-        if joined < len(prompts) and (len(flight) == 0 or (refill and len(flight) <= (1 - DROP_SHARE) * batch_size)):
-            joining = range(joined, min(len(prompts), joined + batch_size - len(flight)))
+        if joined < len(prompts) and (len(flight) == 0 or (refill and len(flight) <= (1 - DROP_SHARE) * room())):
+            joining = joiners(joined)
+            if not joining:  # the newcomers are wider than the free room: wait for more rows to leave
+                continue
             first = flight.admit([prompts[i] for i in joining], joining)
             logits = first if logits is None else torch.cat([logits, first])
             done = torch.cat([done, torch.zeros(len(joining), dtype=torch.bool, device=dev)])

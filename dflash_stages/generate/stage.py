@@ -66,6 +66,11 @@ class GenerateConfig:
     batch_size: int = field(default=64, metadata={
         "help": "Most rows in flight at once (finished ones are replaced by waiting prompts of "
                 "similar length)."})
+    max_batch_tokens: int | None = field(default=None, metadata={
+        "help": "Most cache positions the rows in flight may grow to: rows x (longest prompt + "
+                "max_new_tokens). A decode step costs about the same whatever the rows, so short "
+                "prompts decoded many at a time (up to batch_size) make more tokens a second in the "
+                "memory long ones need. None: batch_size alone bounds the rows."})
     shard_records: int = field(default=512, metadata={
         "help": "Prompts per output shard: the most a killed run loses."})
     temperature: float = field(default=0.0, metadata={
@@ -97,6 +102,8 @@ class GenerateConfig:
         check_samples(self.samples, self.temperature)
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be >= 1")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1 (or null)")
 
 
 def check_samples(samples: int, temperature: float) -> None:
@@ -233,7 +240,7 @@ class HFGenerate(Stage):
         seed = cfg.seed if number is None else number
         done = complete(model, [p.ids for p in shard], batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
                         eos=eos, pad_id=pad, temperature=cfg.temperature, top_p=cfg.top_p,
-                        seed=seed * 1_000_003 + shard_no, progress=progress)
+                        seed=seed * 1_000_003 + shard_no, progress=progress, max_batch_tokens=cfg.max_batch_tokens)
         out = []
         for p, c in zip(shard, done):
             text = tok.decode(c.ids[:-1] if c.finish == "stop" else c.ids, skip_special_tokens=False)
@@ -290,9 +297,11 @@ def sample_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """The params a shard file's records depend on. Never ``samples``: each sample is a file of its
     own, named by its seed (:func:`shard_file`), and a lone completion's key stays what it was before
     samples existed. Not a seeded ``seed`` either when there are several samples: a run of more
-    samples, or from another base seed, then finds the files of those it shares with a run before."""
+    samples, or from another base seed, then finds the files of those it shares with a run before.
+    ``max_batch_tokens`` only when set: unset, the key is what it was before it existed."""
     several = params.get("samples", 1) > 1 and params.get("seed") is not None
-    return {k: v for k, v in params.items() if k != "samples" and not (several and k == "seed")}
+    return {k: v for k, v in params.items() if k != "samples" and not (several and k == "seed")
+            and not (k == "max_batch_tokens" and v is None)}
 
 
 def shard_file(shard: int, number: int | None, suffix: str = "") -> str:

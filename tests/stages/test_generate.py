@@ -197,6 +197,22 @@ def test_config_is_checked() -> None:
         GenerateConfig(samples=2)
     with pytest.raises(ValueError, match="samples must be >= 1"):
         GenerateConfig(samples=0, temperature=0.7)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        GenerateConfig(max_batch_tokens=0)
+
+
+def test_an_unset_max_batch_tokens_keeps_the_shard_folder_of_runs_before_it() -> None:
+    """Shards generated before ``max_batch_tokens`` existed are found by a run that leaves it unset;
+    setting it changes which rows decode side by side, so it makes a folder of its own."""
+    from dataclasses import asdict
+
+    from dflash_stages.generate.stage import sample_params, shard_key
+
+    items = [{"path": "p.jsonl", "size": 10}]
+    before = sample_params({k: v for k, v in asdict(GenerateConfig()).items() if k != "max_batch_tokens"})
+    assert shard_key("2", sample_params(asdict(GenerateConfig())), items) == shard_key("2", before, items)
+    assert shard_key("2", sample_params(asdict(GenerateConfig(max_batch_tokens=4096))), items) != \
+        shard_key("2", before, items)
 
 
 def test_prompt_messages_accept_text_parts_and_refuse_empty_ones() -> None:
@@ -281,6 +297,39 @@ def test_waiting_prompts_join_the_rows_in_flight(kind: str, monkeypatch: pytest.
         assert any(n > 0 for n in in_flight_at_join)
     else:
         assert in_flight_at_join == [0, 0, 0]
+
+
+def test_max_batch_tokens_bounds_the_cache_rows_can_grow_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``max_batch_tokens`` the rows in flight at every step could all grow to their longest
+    prompt + ``max_new_tokens`` within it (one row runs whatever its size): long prompts decode a few
+    at a time, short ones more, up to ``batch_size``. Every row is still its own greedy decode."""
+    import random
+
+    from dflash_model.target.spec_decode import greedy_decode
+    from tests.stages.test_evaluate import tiny_qwen3
+
+    model = tiny_qwen3()
+    rng = random.Random(2)
+    lengths = [40, 37, 33, 30, 12, 11, 10, 9, 8, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2]  # longest first
+    prompts = [[rng.randrange(127) for _ in range(n)] for n in lengths]
+    free = [greedy_decode(model, p, 8) for p in prompts]
+    eos = {free[0][2], free[5][4]}
+    refs = [greedy_decode(model, p, 8, eos) for p in prompts]
+    budget = 2 * (40 + 8) + 10  # two of the longest rows; 7 rows of 8 + 8 tokens
+
+    steps: list[tuple[int, int]] = []  # (rows in flight, longest prompt in flight) at each decode step
+    real = generate_batch._Flight.step
+    monkeypatch.setattr(generate_batch._Flight, "step",
+                        lambda self, tok: (steps.append((len(self), self.longest)), real(self, tok))[1])
+    out = generate_batch.complete(model, prompts, batch_size=6, max_new_tokens=8, eos=sorted(eos), pad_id=0,
+                                  max_batch_tokens=budget)
+    assert [c.ids for c in out] == refs
+    assert all(rows * (longest + 8) <= budget for rows, longest in steps)
+    assert max(rows for rows, longest in steps if longest >= 30) == 2
+    assert max(rows for rows, longest in steps if longest <= 12) == 6  # batch_size still caps the rows
+    one = generate_batch.complete(model, prompts[:3], batch_size=6, max_new_tokens=8, eos=sorted(eos), pad_id=0,
+                                  max_batch_tokens=10)  # under one row: one at a time
+    assert [c.ids for c in one] == refs[:3]
 
 
 def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it() -> None:
