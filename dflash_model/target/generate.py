@@ -9,12 +9,14 @@ targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every lay
 
 * finished rows leave the cache once they are a quarter of the rows in flight, and
 * their places are refilled from the prompts still waiting, so the batch stays full to the end
-  (continuous batching). With ``max_batch_tokens`` the rows in flight are bounded by what their
-  cache can grow to (rows × (longest prompt + ``max_new_tokens``)), not by a row count alone: the
-  step's cost is mostly the host launching kernels, so short prompts decoded many at a time make
-  more tokens a second in the memory that long ones need. A newcomer's prompt is prefilled on its own and its KV rows are placed
+  (continuous batching). A newcomer's prompt is prefilled on its own and its KV rows are placed
   beside the others, left-padded to the same width; positions are given per row, so a row's slot
   in the cache does not matter. Columns that have become padding in every row are cut off.
+
+With ``max_batch_tokens`` the rows in flight are bounded by what their cache can grow to (rows ×
+(longest prompt + ``max_new_tokens``)), not by a row count alone: a step's cost is mostly the host
+launching kernels, so short prompts decoded many at a time make more tokens a second in the memory
+that long ones need.
 
 Other caches (a hybrid's linear-attention state has no row selection) decode in fixed batches in
 which finished rows stay, masked. Either way each row is its prompt's own decode: greedy outputs

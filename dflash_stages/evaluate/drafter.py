@@ -134,11 +134,64 @@ class _Decoding:
         return check_outputs(self.target, self.prompts, self.refs, run.tokens, who, self.tie_tolerance)
 
 
+@dataclass
+class Baseline:
+    """What a report needs that no drafter changes: the target's greedy reference and the n-gram
+    drafter's run through the same loop, with its check against the reference. Every checkpoint of
+    a run is served on the same prompts, and these two decodes cost about as much as the drafter's
+    own: the evaluate stage makes them once, at the first checkpoint, while training goes on."""
+
+    key: tuple
+    """What it depends on (:func:`baseline_key`): a report uses it only for the same."""
+    refs: list[list[int]]
+    ref_s: float | None
+    """Seconds of the reference decode; None where it was read from a ``reference_dir``."""
+    ngram: Any = None
+    """The n-gram drafter's ``DecodeRun`` (None without the baseline)."""
+    ngram_summary: dict[str, Any] | None = None
+    ngram_s: float | None = None
+    ngram_issues: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+    """(mismatches, near ties) of the n-gram run against the reference."""
+
+
+def baseline_key(target_name: str, target: Any, prompts: Sequence[Sequence[int]], block_size: int,
+                 max_new_tokens: int, eos: set[int], pad_id: int, batch_size: int, tie_tolerance: float,
+                 with_ngram: bool, reference_dir: str | None) -> tuple:
+    dtype = str(next(target.parameters()).dtype)
+    return (target_name, id(target), dtype, tuple(map(tuple, prompts)), block_size, max_new_tokens,
+            tuple(sorted(eos)), pad_id, batch_size, tie_tolerance, with_ngram, reference_dir)
+
+
+def prepare_baseline(target: Any, prompts: Sequence[Sequence[int]], block_size: int, max_new_tokens: int = 128,
+                     eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
+                     batch_size: int = 16, tie_tolerance: float | None = None, pad_id: int = 0,
+                     reference_dir: str | None = None, target_name: str = "target") -> Baseline:
+    """The :class:`Baseline` of drafters of ``block_size`` on ``prompts`` (the n-gram drafter proposes
+    as many tokens as they do); the arguments are :func:`evaluate_drafter`'s."""
+    from dflash_model.target.spec_decode import eos_set, ngram_drafter
+    from dflash_stages.evaluate import runs
+
+    eos = eos_set(eos_token_id)
+    tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
+    key = baseline_key(target_name, target, prompts, block_size, max_new_tokens, eos, pad_id, batch_size, tol,
+                       baseline, reference_dir)
+    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name)
+    out = Baseline(key, refs, ref_s)
+    if baseline:
+        dec = _Decoding(target, prompts, refs, block_size, max_new_tokens, eos, batch_size, tol)
+        out.ngram = dec.decode(ngram_drafter(), None)
+        out.ngram_summary = out.ngram.summary(block_size)
+        out.ngram_s = out.ngram_summary.pop("seconds")
+        out.ngram_issues = dec.check(out.ngram, "ngram")
+    return out
+
+
 def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
                      with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
                      tie_tolerance: float | None = None, pad_id: int = 0, progress: Any = None,
-                     reference_dir: str | None = None, target_name: str = "target") -> dict[str, Any]:
+                     reference_dir: str | None = None, target_name: str = "target",
+                     prepared: Baseline | None = None) -> dict[str, Any]:
     """The report of one drafter module on token-id prompts (no files, no tokenizer).
 
     ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
@@ -146,10 +199,12 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     dtype and FP8 layers);
     ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes;
     ``reference_dir``: where greedy references are shared with other evaluations (``reference.py``),
-    one per ``target_name`` (as its files are now), the target's dtype, the prompts and ``max_new_tokens``.
+    one per ``target_name`` (as its files are now), the target's dtype, the prompts and ``max_new_tokens``;
+    ``prepared``: a :class:`Baseline` made before, used where its key is this report's.
 
-    In order: the target's greedy reference, the served drafter (τ, throughput), the n-gram baseline,
-    τ_sim, then the verdict (gap, lossless check); ``timing`` has the seconds of each part.
+    In order: the target's greedy reference and the n-gram baseline (:func:`prepare_baseline`), the
+    served drafter (τ, throughput), τ_sim, then the verdict (gap, lossless check); ``timing`` has the
+    seconds of each part (``baseline_reused``: the first two were made before, for another report).
     """
     from dflash_model.target.capture import embeddings_and_head
     from dflash_model.target.spec_batch import dflash_batch_drafter
@@ -162,28 +217,36 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     _check_shapes(target, drafter, embed)
     eos = eos_set(eos_token_id)
     tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
-    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name)
-    dec = _Decoding(target, prompts, refs, B, max_new_tokens, eos, batch_size, tol)
-    timing: dict[str, Any] = {"greedy_s": round(ref_s, 3) if ref_s is not None else None}
+    key = baseline_key(target_name, target, prompts, B, max_new_tokens, eos, pad_id, batch_size, tol, baseline,
+                       reference_dir)
+    reused = prepared is not None and prepared.key == key
+    base = prepared if reused else prepare_baseline(
+        target, prompts, B, max_new_tokens, eos, baseline=baseline, batch_size=batch_size, tie_tolerance=tol,
+        pad_id=pad_id, reference_dir=reference_dir, target_name=target_name)
+    dec = _Decoding(target, prompts, base.refs, B, max_new_tokens, eos, batch_size, tol)
+    timing: dict[str, Any] = {"greedy_s": round(base.ref_s, 3) if base.ref_s is not None else None,
+                              "baseline_reused": reused}
 
     run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
                      _batch_progress(progress, len(prompts)))
     report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
                               "max_new_tokens": max_new_tokens, "fp8_layers": runs.fp8_layers(target),
                               "reference_dir": reference_dir,
-                              **_served_summary(run, dec, ref_s, timing)}
+                              **_served_summary(run, dec, base.ref_s, timing)}
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
-    report["ngram"], ng = None, None
+    report["ngram"] = dict(base.ngram_summary) if baseline else None
     if baseline:
-        ng, report["ngram"], m, t = _ngram_baseline(dec, per_prompt, timing)
-        mismatches, ties = mismatches + m, ties + t
+        timing["ngram_s"] = base.ngram_s
+        mismatches, ties = mismatches + base.ngram_issues[0], ties + base.ngram_issues[1]
+        for row, res in zip(per_prompt, base.ngram.results):
+            row["tau_ngram"] = res.tau
     report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
-    report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": ng})
+    report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": base.ngram})
 
     t0 = time.perf_counter()
-    report.update(_tau_sim(drafter, target, prompts, run.results, refs, per_prompt, embed, head, layer_ids,
+    report.update(_tau_sim(drafter, target, prompts, run.results, base.refs, per_prompt, embed, head, layer_ids,
                            max_new_tokens) if with_tau_sim else NO_TAU_SIM)
     timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
 
@@ -229,21 +292,6 @@ def _served_summary(run: Any, dec: _Decoding, ref_s: float | None, timing: dict[
                              "spec_tokens_per_s": summary.pop("tokens_per_s"), "batch_size": dec.batch_size}
     timing["spec_s"] = summary.pop("seconds")
     return summary
-
-
-def _ngram_baseline(dec: _Decoding, per_prompt: list[dict[str, Any]], timing: dict[str, Any]
-                    ) -> tuple[Any, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training-free prompt-lookup drafter through the same loop: (its run, its summary, mismatches,
-    near ties); each prompt's row gets its ``tau_ngram``, ``timing`` its seconds."""
-    from dflash_model.target.spec_decode import ngram_drafter
-
-    ng = dec.decode(ngram_drafter(), None)
-    summary = ng.summary(dec.block_size)
-    timing["ngram_s"] = summary.pop("seconds")
-    mismatches, ties = dec.check(ng, "ngram")
-    for row, res in zip(per_prompt, ng.results):
-        row["tau_ngram"] = res.tau
-    return ng, summary, mismatches, ties
 
 
 def _verdict(tau: float, tau_sim: float | None, gap_threshold: float, mismatches: list[dict[str, Any]],

@@ -14,8 +14,8 @@ from dflash_core.items import CHECKPOINT, EVAL_REPORT, of_kind
 from dflash_core.paths import PATH_FIELD
 from dflash_core.stage import Stage, StageContext
 from dflash_model.fast.settings import DtypeName
-from dflash_stages.evaluate.drafter import GAP_THRESHOLD, EvaluationError, LosslessError
-from dflash_stages.evaluate.export import evaluate_export
+from dflash_stages.evaluate.drafter import GAP_THRESHOLD, Baseline, EvaluationError, LosslessError
+from dflash_stages.evaluate.export import evaluate_export, export_baseline
 
 
 @dataclass
@@ -46,6 +46,11 @@ class EvaluateConfig:
     tie_tolerance: float | None = field(default=None, metadata={
         "help": "Relative logit gap of a near tie the lossless check tolerates; default by dtype "
                 "(fp32 1e-4, bf16 5e-2)."})
+    early_baseline: bool = field(default=True, metadata={
+        "help": "Load the target and decode what no drafter changes (the greedy reference, the n-gram "
+                "baseline) at the first checkpoint, evaluated or not, while training goes on; every "
+                "evaluation then reuses them. False: at the first evaluated checkpoint (the target's "
+                "memory is taken then)."})
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.batch_size < 1:
@@ -76,10 +81,12 @@ class SpecDecodeEvaluate(Stage):
         cfg: EvaluateConfig = self.config
         device = cfg.device or ctx.device or "cpu"
         targets: dict[str, tuple[Any, Any]] = {}
+        prepared: Baseline | None = None
         seen = 0
         for item in of_kind(inputs["checkpoints"], CHECKPOINT, ctx.stage, ctx.upstream("checkpoints")):
             seen += 1
-            if not (item.get("final") or seen % cfg.every == 0):
+            chosen = item.get("final") or seen % cfg.every == 0
+            if not (chosen or (cfg.early_baseline and prepared is None)):
                 continue
             if ctx.should_stop():
                 return
@@ -93,14 +100,20 @@ class SpecDecodeEvaluate(Stage):
 
                 targets.clear()
                 targets[ref] = load_target(str(ref), device=device, dtype=cfg.dtype)
+            common = dict(target=ref, prompts=cfg.prompts, num_prompts=cfg.num_prompts,
+                          max_new_tokens=cfg.max_new_tokens, device=device, dtype=cfg.dtype,
+                          loaded_target=targets[ref], baseline=cfg.baseline, batch_size=cfg.batch_size,
+                          tie_tolerance=cfg.tie_tolerance)
+            if prepared is None:
+                ctx.logger.info("evaluate: the greedy reference and n-gram baseline, at step %s", item.get("step"))
+                prepared = export_baseline(export, **common)
+            if not chosen:
+                continue
             step = item.get("step")
             out_dir = os.path.join(ctx.work_dir, f"step-{int(step):07d}" if step is not None else "eval")
             ctx.progress(0, unit="checkpoints")
-            report = evaluate_export(export, target=ref, prompts=cfg.prompts, num_prompts=cfg.num_prompts,
-                                     max_new_tokens=cfg.max_new_tokens, device=device, dtype=cfg.dtype,
-                                     out_dir=out_dir, loaded_target=targets[ref], baseline=cfg.baseline,
-                                     gap_threshold=cfg.gap_threshold, batch_size=cfg.batch_size,
-                                     tie_tolerance=cfg.tie_tolerance)
+            report = evaluate_export(export, out_dir=out_dir, gap_threshold=cfg.gap_threshold, prepared=prepared,
+                                     **common)
             report["step"] = step if step is not None else report.get("step")
             report["final"] = bool(item.get("final"))
             summary = {k: _round(report.get(k)) for k in ("tau", "tau_ngram", "tau_sim", "tau_ref", "gap")}

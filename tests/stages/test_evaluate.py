@@ -243,6 +243,58 @@ def test_stage_every_and_final(served, tmp_path):
     assert SpecDecodeEvaluate.report(ctx.summary) is not None
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_stage_makes_the_baseline_once_at_the_first_checkpoint(served, tmp_path, monkeypatch, early):
+    """The greedy reference and the n-gram run depend on no drafter: the stage decodes them once, at
+    the first checkpoint even when it evaluates a later one (``early_baseline``: while training goes
+    on), and each report equals an evaluation that decodes them itself."""
+    from dflash_core.stage import StageContext
+    from dflash_stages.evaluate import runs
+    from dflash_stages.evaluate.export import evaluate_export
+    from dflash_stages.evaluate.stage import EvaluateConfig, SpecDecodeEvaluate
+
+    taken, decoded_at = [], []
+    real = runs.reference_decode
+    monkeypatch.setattr(runs, "reference_decode", lambda *a, **k: (decoded_at.append(len(taken)), real(*a, **k))[1])
+
+    def checkpoints():
+        for s in (10, 20, 30):
+            taken.append(s)
+            yield {"kind": "checkpoint", "step": s, "export": str(served["export"]), "final": s == 30}
+
+    cfg = EvaluateConfig(every=2, num_prompts=2, max_new_tokens=6, prompts=str(served["heldout"]), early_baseline=early)
+    ctx = StageContext(stage="evaluate", config=cfg, device="cpu", work_dir=str(tmp_path))
+    reports = list(SpecDecodeEvaluate(cfg).run({"checkpoints": checkpoints()}, ctx))
+    assert [r["step"] for r in reports] == [20, 30]
+    assert decoded_at == ([1] if early else [2])  # once: during the first checkpoint, or the first evaluated
+    assert [r["timing"]["baseline_reused"] for r in reports] == [True, True]
+
+    alone = evaluate_export(str(served["export"]), prompts=str(served["heldout"]), num_prompts=2, max_new_tokens=6)
+    assert len(decoded_at) == 2 and alone["timing"]["baseline_reused"] is False
+    for r in reports:
+        for key in ("tau", "tau_ngram", "ngram_split", "identical", "lossless", "near_ties", "tau_ref"):
+            assert r[key] == alone[key], key
+        rate = "tokens_per_s"  # a clock's reading, the rest counts
+        counts = lambda report: {k: v for k, v in report["ngram"].items() if k != rate}
+        assert counts(r) == counts(alone)
+        assert [p["tau_ngram"] for p in r["per_prompt"]] == [p["tau_ngram"] for p in alone["per_prompt"]]
+
+
+def test_a_baseline_made_for_other_settings_is_not_used(served):
+    from dflash_model.target.load import load_target
+    from dflash_stages.evaluate.export import evaluate_export, export_baseline
+
+    kw = dict(prompts=str(served["heldout"]), num_prompts=2, loaded_target=load_target(str(served["target"])))
+    base = export_baseline(str(served["export"]), max_new_tokens=6, **kw)
+    longer = evaluate_export(str(served["export"]), max_new_tokens=7, prepared=base, **kw)
+    assert longer["timing"]["baseline_reused"] is False and longer["generated_tokens"] == 14
+    other = evaluate_export(str(served["export"]), max_new_tokens=6, prepared=base,
+                            **{**kw, "loaded_target": load_target(str(served["target"]))})
+    assert other["timing"]["baseline_reused"] is False  # another model object: maybe other weights
+    same = evaluate_export(str(served["export"]), max_new_tokens=6, prepared=base, **kw)
+    assert same["timing"]["baseline_reused"] is True and same["tau_ngram"] == base.ngram.summary(B)["tau"]
+
+
 def test_cli_on_a_directory_that_is_not_an_export_says_what_one_holds(served, cli, tmp_path):
     for wrong in (tmp_path, served["target"]):  # an empty directory; a model directory (config.json, no drafter)
         r = cli("evaluate", wrong, "--device", "cpu")
