@@ -7,8 +7,9 @@ the target's compiled forward in the other thread refused to run ("Detected that
 FX to symbolically trace a dynamo-optimized function"), failing the run at start-up.
 
 So each stage makes its calls inside ``GATE.call(party, key, compiled)``, ``key`` being the input
-shape that may change (the row length); a stage that runs no compiled code (``compiled`` False,
-the CPU default) passes straight through. A call with a key its party has not
+shape that may change (the row length), and calls that compile graphs of their own a party of their
+own (the trainer's no-grad validation of a row, beside its training step); a stage that runs no
+compiled code (``compiled`` False, the CPU default) passes straight through. A call with a key its party has not
 completed yet may compile: it waits for the calls in flight and runs alone. Every other call runs
 side by side with the others', as before, at the cost of one lock round trip. Rows of many
 lengths would make every call a new key, so a party's calls stop being held alone once it has

@@ -13,10 +13,12 @@ targets whose cache is plain KV (:class:`transformers.DynamicLayer` in every lay
   beside the others, left-padded to the same width; positions are given per row, so a row's slot
   in the cache does not matter. Columns that have become padding in every row are cut off.
 
-With ``max_batch_tokens`` the rows in flight are bounded by what their cache can grow to (rows ×
-(longest prompt + ``max_new_tokens``)), not by a row count alone: a step's cost is mostly the host
+With ``max_batch_tokens`` prompts join only while rows × (longest prompt in flight +
+``max_new_tokens``) stays within it, not up to a row count alone: a step's cost is mostly the host
 launching kernels, so short prompts decoded many at a time make more tokens a second in the memory
-that long ones need.
+that long ones need. It is an admission rule, not a hard bound on the cache: finished rows ride
+along until a quarter of the rows have finished, which widens it, and each layer's buffers keep
+:data:`~dflash_model.target.decode_kv.ROOM` spare columns.
 
 Other caches (a hybrid's linear-attention state has no row selection) decode in fixed batches in
 which finished rows stay, masked. Either way each row is its prompt's own decode: greedy outputs
@@ -176,8 +178,8 @@ def complete(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, m
              seed: int = 0, progress: Callable[[int, int], None] | None = None,
              max_batch_tokens: int | None = None) -> list[Completion]:
     """The completion of each prompt (greedy when ``temperature`` is 0), at most ``batch_size`` rows
-    in flight and, with ``max_batch_tokens``, at most that many cache positions once they are all
-    done (rows × (longest prompt + ``max_new_tokens``); one row always runs). Rows join in the
+    in flight and, with ``max_batch_tokens``, prompts admitted only while rows × (longest prompt +
+    ``max_new_tokens``) stays within it (one row always runs). Rows join in the
     order given: the caller sorts by length, so that rows side by side need little padding.
     ``progress(rows, tokens)`` is told each time finished rows leave."""
     if not prompts:

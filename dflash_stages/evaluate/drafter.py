@@ -17,10 +17,11 @@ baseline, τ_sim and the train/serve gap. No files, no tokenizer: ``export.py`` 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from dflash_stages.generate.prompts import read_records
@@ -139,26 +140,34 @@ class Baseline:
     """What a report needs that no drafter changes: the target's greedy reference and the n-gram
     drafter's run through the same loop, with its check against the reference. Every checkpoint of
     a run is served on the same prompts, and these two decodes cost about as much as the drafter's
-    own: the evaluate stage makes them once, at the first checkpoint, while training goes on."""
+    own: the evaluate stage makes them once a run (``early_baseline``: at its first checkpoint,
+    while training goes on). Reports copy what they take of it."""
 
+    target: Any
+    """The model it was decoded with: a report reuses it only with this very object."""
     key: tuple
-    """What it depends on (:func:`baseline_key`): a report uses it only for the same."""
+    """The rest of what it depends on (:func:`baseline_key`)."""
     refs: list[list[int]]
     ref_s: float | None
     """Seconds of the reference decode; None where it was read from a ``reference_dir``."""
+    step: int | None = None
+    """The checkpoint it was made at (the stage sets it)."""
     ngram: Any = None
     """The n-gram drafter's ``DecodeRun`` (None without the baseline)."""
     ngram_summary: dict[str, Any] | None = None
     ngram_s: float | None = None
-    ngram_issues: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+    ngram_issues: tuple[list[dict[str, Any]], list[dict[str, Any]]] = field(default_factory=lambda: ([], []))
     """(mismatches, near ties) of the n-gram run against the reference."""
+
+    def fits(self, target: Any, key: tuple) -> bool:
+        return self.target is target and self.key == key
 
 
 def baseline_key(target_name: str, target: Any, prompts: Sequence[Sequence[int]], block_size: int,
                  max_new_tokens: int, eos: set[int], pad_id: int, batch_size: int, tie_tolerance: float,
                  with_ngram: bool, reference_dir: str | None) -> tuple:
     dtype = str(next(target.parameters()).dtype)
-    return (target_name, id(target), dtype, tuple(map(tuple, prompts)), block_size, max_new_tokens,
+    return (target_name, dtype, tuple(map(tuple, prompts)), block_size, max_new_tokens,
             tuple(sorted(eos)), pad_id, batch_size, tie_tolerance, with_ngram, reference_dir)
 
 
@@ -176,7 +185,7 @@ def prepare_baseline(target: Any, prompts: Sequence[Sequence[int]], block_size: 
     key = baseline_key(target_name, target, prompts, block_size, max_new_tokens, eos, pad_id, batch_size, tol,
                        baseline, reference_dir)
     refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name)
-    out = Baseline(key, refs, ref_s)
+    out = Baseline(target, key, refs, ref_s)
     if baseline:
         dec = _Decoding(target, prompts, refs, block_size, max_new_tokens, eos, batch_size, tol)
         out.ngram = dec.decode(ngram_drafter(), None)
@@ -200,11 +209,12 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes;
     ``reference_dir``: where greedy references are shared with other evaluations (``reference.py``),
     one per ``target_name`` (as its files are now), the target's dtype, the prompts and ``max_new_tokens``;
-    ``prepared``: a :class:`Baseline` made before, used where its key is this report's.
+    ``prepared``: a :class:`Baseline` made before, used where it fits this report.
 
     In order: the target's greedy reference and the n-gram baseline (:func:`prepare_baseline`), the
     served drafter (τ, throughput), τ_sim, then the verdict (gap, lossless check); ``timing`` has the
-    seconds of each part (``baseline_reused``: the first two were made before, for another report).
+    seconds of each part. ``timing.baseline_reused``: the first two came from ``prepared``, made
+    before this report (``baseline_step``: at that checkpoint); their seconds and rates are from then.
     """
     from dflash_model.target.capture import embeddings_and_head
     from dflash_model.target.spec_batch import dflash_batch_drafter
@@ -219,13 +229,13 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
     key = baseline_key(target_name, target, prompts, B, max_new_tokens, eos, pad_id, batch_size, tol, baseline,
                        reference_dir)
-    reused = prepared is not None and prepared.key == key
+    reused = prepared is not None and prepared.fits(target, key)
     base = prepared if reused else prepare_baseline(
         target, prompts, B, max_new_tokens, eos, baseline=baseline, batch_size=batch_size, tie_tolerance=tol,
         pad_id=pad_id, reference_dir=reference_dir, target_name=target_name)
     dec = _Decoding(target, prompts, base.refs, B, max_new_tokens, eos, batch_size, tol)
     timing: dict[str, Any] = {"greedy_s": round(base.ref_s, 3) if base.ref_s is not None else None,
-                              "baseline_reused": reused}
+                              "baseline_reused": reused, "baseline_step": base.step if reused else None}
 
     run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
                      _batch_progress(progress, len(prompts)))
@@ -236,10 +246,10 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
-    report["ngram"] = dict(base.ngram_summary) if baseline else None
+    report["ngram"] = copy.deepcopy(base.ngram_summary) if baseline else None
     if baseline:
         timing["ngram_s"] = base.ngram_s
-        mismatches, ties = mismatches + base.ngram_issues[0], ties + base.ngram_issues[1]
+        mismatches, ties = mismatches + copy.deepcopy(base.ngram_issues[0]), ties + copy.deepcopy(base.ngram_issues[1])
         for row, res in zip(per_prompt, base.ngram.results):
             row["tau_ngram"] = res.tau
     report["tau_ngram"] = report["ngram"]["tau"] if baseline else None

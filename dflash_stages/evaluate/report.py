@@ -133,7 +133,10 @@ def render_table(report: Mapping[str, Any]) -> Any:
     tp = report.get("throughput") or {}
     if tp:
         greedy = _num(tp.get("greedy_tokens_per_s"), "{:.0f}")
-        head.add_row(f"tokens/s (batch {tp.get('batch_size')}; HF greedy {greedy})",
+        made = (report.get("timing") or {}).get("baseline_step")
+        during = made not in (None, report.get("step"))
+        when = f"; HF greedy and n-gram at step {made}, during training" if during else ""
+        head.add_row(f"tokens/s (batch {tp.get('batch_size')}; HF greedy {greedy}{when})",
                      _num(tp.get("spec_tokens_per_s"), "{:.0f}"), _num(ng.get("tokens_per_s"), "{:.0f}"))
     hist = report.get("tau_histogram") or []
     head.add_row("τ histogram 1..B", " ".join(str(h) for h in hist[1:]),

@@ -99,14 +99,23 @@ class SpecDecodeEvaluate(Stage):
                 from dflash_model.target.load import load_target
 
                 targets.clear()
+                prepared = None  # made with the target let go
                 targets[ref] = load_target(str(ref), device=device, dtype=cfg.dtype)
             common = dict(target=ref, prompts=cfg.prompts, num_prompts=cfg.num_prompts,
                           max_new_tokens=cfg.max_new_tokens, device=device, dtype=cfg.dtype,
                           loaded_target=targets[ref], baseline=cfg.baseline, batch_size=cfg.batch_size,
                           tie_tolerance=cfg.tie_tolerance)
             if prepared is None:
+                ctx.progress(0, unit="checkpoints")
                 ctx.logger.info("evaluate: the greedy reference and n-gram baseline, at step %s", item.get("step"))
-                prepared = export_baseline(export, **common)
+                try:
+                    prepared = export_baseline(export, **common)
+                    prepared.step = item.get("step", prepared.step)
+                except Exception as exc:  # at a checkpoint it may not evaluate: say which and why
+                    raise EvaluationError(f"the greedy reference and n-gram baseline at step {item.get('step')} "
+                                          f"({export}): {type(exc).__name__}: {exc}") from exc
+            if ctx.should_stop():
+                return
             if not chosen:
                 continue
             step = item.get("step")

@@ -67,10 +67,12 @@ class GenerateConfig:
         "help": "Most rows in flight at once (finished ones are replaced by waiting prompts of "
                 "similar length)."})
     max_batch_tokens: int | None = field(default=None, metadata={
-        "help": "Most cache positions the rows in flight may grow to: rows x (longest prompt + "
-                "max_new_tokens). A decode step costs about the same whatever the rows, so short "
-                "prompts decoded many at a time (up to batch_size) make more tokens a second in the "
-                "memory long ones need. None: batch_size alone bounds the rows."})
+        "help": "Prompts join the rows in flight only while rows x (longest prompt + max_new_tokens) "
+                "stays within this many cache positions (the cache runs somewhat wider: finished rows "
+                "ride along until dropped, buffers keep spare columns). A decode step costs about the "
+                "same whatever the rows, so short prompts decoded many at a time (up to batch_size) "
+                "make more tokens a second in the memory long ones need. None: batch_size alone "
+                "bounds the rows."})
     shard_records: int = field(default=512, metadata={
         "help": "Prompts per output shard: the most a killed run loses."})
     temperature: float = field(default=0.0, metadata={

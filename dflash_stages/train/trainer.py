@@ -300,7 +300,7 @@ class Trainer:
             drawn.append(anchors)
             if anchors.numel() == 0:
                 continue
-            with GATE.call(self.ctx.stage, ("train", n), self.compiled):  # a new length may compile (fwd, bwd)
+            with GATE.call(self.ctx.stage, n, self.compiled):  # a new length may compile (forward, backward)
                 row_stats.append(self._forward_backward(batch, anchors, mark))
         if not count:
             return None
@@ -333,9 +333,9 @@ class Trainer:
         if anchors.numel() == 0:
             return []
         outs = []
-        # its own key: a no-grad call compiles other graphs than the training step's, and a row
-        # length it has made warm must not let the step's first (compiling) call run beside extract
-        with torch.no_grad(), GATE.call(self.ctx.stage, ("validate", int(batch.features.shape[0])), self.compiled):
+        # a party of its own: a no-grad call compiles other graphs than the training step's, and a
+        # row length it has made warm must not let the step's first (compiling) call run beside extract
+        with torch.no_grad(), GATE.call(f"{self.ctx.stage}:validate", int(batch.features.shape[0]), self.compiled):
             for chunk in anchors.split(self.cfg.num_anchors):  # the training step's shape: nothing compiles anew
                 outs.append((self._loss(batch, chunk), chunk.numel()))
         stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel() for k in VAL_MEANS}

@@ -268,6 +268,7 @@ def test_stage_makes_the_baseline_once_at_the_first_checkpoint(served, tmp_path,
     assert [r["step"] for r in reports] == [20, 30]
     assert decoded_at == ([1] if early else [2])  # once: during the first checkpoint, or the first evaluated
     assert [r["timing"]["baseline_reused"] for r in reports] == [True, True]
+    assert [r["timing"]["baseline_step"] for r in reports] == ([10, 10] if early else [20, 20])
 
     alone = evaluate_export(str(served["export"]), prompts=str(served["heldout"]), num_prompts=2, max_new_tokens=6)
     assert len(decoded_at) == 2 and alone["timing"]["baseline_reused"] is False

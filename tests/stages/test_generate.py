@@ -327,9 +327,17 @@ def test_max_batch_tokens_bounds_the_cache_rows_can_grow_to(monkeypatch: pytest.
     assert all(rows * (longest + 8) <= budget for rows, longest in steps)
     assert max(rows for rows, longest in steps if longest >= 30) == 2
     assert max(rows for rows, longest in steps if longest <= 12) == 6  # batch_size still caps the rows
+    steps.clear()
     one = generate_batch.complete(model, prompts[:3], batch_size=6, max_new_tokens=8, eos=sorted(eos), pad_id=0,
                                   max_batch_tokens=10)  # under one row: one at a time
-    assert [c.ids for c in one] == refs[:3]
+    assert [c.ids for c in one] == refs[:3] and {rows for rows, _ in steps} == {1}
+
+    steps.clear()  # shortest first: a long newcomer waits until enough rows have left
+    rising = generate_batch.complete(model, prompts[::-1], batch_size=6, max_new_tokens=8, eos=sorted(eos),
+                                     pad_id=0, max_batch_tokens=budget)
+    assert [c.ids for c in rising] == refs[::-1]
+    assert all(rows * (longest + 8) <= budget or rows == 1 for rows, longest in steps)
+    assert max(rows for rows, _ in steps) == 6 and max(longest for _, longest in steps) == 40
 
 
 def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it() -> None:
