@@ -246,13 +246,15 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
-    report["ngram"] = copy.deepcopy(base.ngram_summary) if baseline else None
+    report["ngram"] = report["tau_ngram"] = None
     if baseline:
+        report["ngram"] = copy.deepcopy(base.ngram_summary)
+        report["tau_ngram"] = report["ngram"]["tau"]
         timing["ngram_s"] = base.ngram_s
-        mismatches, ties = mismatches + copy.deepcopy(base.ngram_issues[0]), ties + copy.deepcopy(base.ngram_issues[1])
+        ngram_mismatches, ngram_ties = copy.deepcopy(base.ngram_issues)
+        mismatches, ties = mismatches + ngram_mismatches, ties + ngram_ties
         for row, res in zip(per_prompt, base.ngram.results):
             row["tau_ngram"] = res.tau
-    report["tau_ngram"] = report["ngram"]["tau"] if baseline else None
     report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": base.ngram})
 
     t0 = time.perf_counter()

@@ -68,11 +68,9 @@ def export_baseline(export: str, *, target: str | None = None, prompts: str | Se
 
     s = _served(export, target, prompts, num_prompts, device, dtype, loaded_target)
     block_size = DrafterConfig.from_export_dict(s.config).block_size
-    made = prepare_baseline(s.lm, s.prompt_ids, block_size, max_new_tokens, s.eos, baseline=baseline,
+    return prepare_baseline(s.lm, s.prompt_ids, block_size, max_new_tokens, s.eos, baseline=baseline,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, pad_id=s.pad,
                             reference_dir=reference_dir, target_name=str(s.target_ref))
-    made.step = s.meta.get("step")
-    return made
 
 
 @dataclass

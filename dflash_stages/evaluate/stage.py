@@ -110,7 +110,7 @@ class SpecDecodeEvaluate(Stage):
                 ctx.logger.info("evaluate: the greedy reference and n-gram baseline, at step %s", item.get("step"))
                 try:
                     prepared = export_baseline(export, **common)
-                    prepared.step = item.get("step", prepared.step)
+                    prepared.step = item.get("step")
                 except Exception as exc:  # at a checkpoint it may not evaluate: say which and why
                     raise EvaluationError(f"the greedy reference and n-gram baseline at step {item.get('step')} "
                                           f"({export}): {type(exc).__name__}: {exc}") from exc
