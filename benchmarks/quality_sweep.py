@@ -105,7 +105,8 @@ def point_pipeline(base: dict[str, Any], base_dir: Path, records: Path, run_dir:
 
 def launch(name: str, pipeline: Path, sets: dict[str, str], log: Path, resume: bool = False) -> subprocess.Popen:
     """The point's ``dflash-pipe run``; ``resume``: ``--resume`` (a point not started starts, an
-    interrupted one goes on from its latest checkpoint, a finished one runs nothing) and the log
+    interrupted one goes on from its latest checkpoint, one stopped while evaluating its final checkpoint
+    evaluates it, a finished one runs nothing) and the log
     appended to."""
     cmd = [sys.executable, "-m", "dflash_core.cli.main", "run", str(pipeline)] + (["--resume"] if resume else [])
     for key, value in sets.items():

@@ -4,7 +4,9 @@ The checkpoint stage writes ``<run_dir>/checkpoints/<step>/pipeline_state.json``
 stage -> state) and points ``<run_dir>/checkpoints/latest`` at the directory only once the
 checkpoint is complete, so a crash mid-save leaves the previous one as latest. The pointer
 says ``"final": true`` once training has ended (the data ran out) at that checkpoint: resuming
-such a run has nothing left to do; ``"interrupted": true`` when a signal stopped the run there.
+such a run trains nothing, and runs at all only where a stage after training still owes its output
+for that checkpoint (``Stage.owes_after_training``: evaluate stopped by a signal);
+``"interrupted": true`` when a signal stopped the run there.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, 
 from dflash_core.links import POLL_S, Channel, close_all, fan_out
 from dflash_core.pipeline import Pipeline
 from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
-                                  semantic_params, stage_key)
+                                  semantic_params, stage_key, stream_work_dir)
 from dflash_core.stage import StageContext
 from dflash_core.vocabulary import Executor, Freshness, Link, Status
 
@@ -362,7 +362,7 @@ class _Supervisor:
             key = f"{key[:12]}-{int(time.time() * 1000) % 10**8:08d}"  # never reused
         materialized = is_materialized(self.p, stage)
         run_dir = self.p.run_dir
-        work_dir = (self.r.store.dir(stage, key) if materialized else join(run_dir, "work", stage))
+        work_dir = self.r.store.dir(stage, key) if materialized else stream_work_dir(self.p, stage)
         cache_dir = join(run_dir, "cache", stage)
         for d in (work_dir, cache_dir):
             if "://" not in d:

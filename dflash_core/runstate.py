@@ -39,6 +39,12 @@ def is_materialized(pipeline: Pipeline, stage: str) -> bool:
     return any(pipeline.link(stage, c) == Link.MATERIALIZE for c in consumers)
 
 
+def stream_work_dir(pipeline: Pipeline, stage: str) -> str:
+    """``ctx.work_dir`` of a stage that is not materialized: one place a run after run, where its
+    files (evaluate's reports) are found again."""
+    return join(pipeline.run_dir, "work", stage)
+
+
 def stage_key(pipeline: Pipeline, stage: str, upstream_digests: dict[str, str]) -> str:
     spec = pipeline.stages[stage]
     return artifact_key(spec.impl, spec.cls.version, semantic_params(pipeline, stage),

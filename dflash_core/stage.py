@@ -92,6 +92,14 @@ class Stage:
         return {}
 
     @classmethod
+    def owes_after_training(cls, config: Any, work_dir: str, step: int) -> bool:
+        """Whether a run whose training ended at ``step`` still lacks this stage's output for that
+        step (a signal stopped the stage after the final checkpoint): ``run --resume`` then replays
+        the final checkpoint to the stages after it instead of calling the run complete.
+        ``work_dir`` is the stage's ``ctx.work_dir``. Stages that consume checkpoints override it."""
+        return False
+
+    @classmethod
     def check(cls, pipeline: "Pipeline", name: str) -> "Iterable[Problem]":
         """Mistakes between stage ``name`` (of this class) and the others that would only
         surface at run time: ``validate`` and ``run`` report them at the file's line before

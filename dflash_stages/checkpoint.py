@@ -5,7 +5,8 @@ format), ``train_state.pt`` (drafter, optimizer, step, RNG of rank 0), ``rng.ran
 for the other ranks, ``pipeline_state.json`` (what ``--resume`` hands each stage), then
 ``latest.json`` pointing at it — written last, so a crash mid-save leaves the previous
 checkpoint as latest. A directory that ``latest.json`` names is never rewritten; once training
-has ended there, the pointer says ``"final": true`` (``--resume`` then has nothing to do), or
+has ended there, the pointer says ``"final": true`` (``--resume`` then only finishes the stages after
+training that a signal stopped, such as evaluate), or
 ``"interrupted": true`` when a signal stopped the run there (``status`` says so). The
 same files are uploaded to ``dest`` (any fsspec URL) with retries, ``latest.json`` last there too.
 """

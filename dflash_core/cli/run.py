@@ -44,11 +44,16 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
     if args.resume:
         done = finished_at(pipeline.run_dir)
-        if done is not None:  # no data left: running again could only rewrite what is there
+        owing = owed_after_training(pipeline, done) if done is not None else []
+        if done is not None and not owing:  # no data left: running again could only rewrite what is there
             console.print(f"run already complete at step {done} ({ckpt}): nothing to resume")
             return EXIT_OK
-        console.print(f"resuming from {ckpt}" if ckpt else
-                      "no complete checkpoint found: starting from the beginning")
+        if owing:  # training had ended, a signal stopped the stages after it: they run on the final checkpoint
+            console.print(f"training finished at step {done}; {', '.join(owing)} had not: "
+                          f"running it again from {ckpt}", soft_wrap=True)
+        else:
+            console.print(f"resuming from {ckpt}" if ckpt else
+                          "no complete checkpoint found: starting from the beginning")
     runner = Runner(pipeline, pm, only=args.only, from_stage=args.from_stage,
                     resume_states=states, resume_checkpoint=ckpt)
     if args.dry_run:
@@ -70,13 +75,21 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     if stopped is not None:
         if not args.quiet and not stopped.aborted:
             print_summary(pipeline, stopped.results, time.time() - start)
-        return report_interrupt(args, pipeline.run_dir, stopped)
+        return report_interrupt(args, pipeline, stopped)
     if not args.quiet:
         print_summary(pipeline, results, time.time() - start)
     return EXIT_OK
 
 
-def report_interrupt(args: argparse.Namespace, run_dir: str, stopped: Interrupted) -> int:
+def owed_after_training(pipeline: Any, step: int) -> list[str]:
+    """Stages whose output for the final checkpoint (training ended at ``step``) is missing."""
+    from dflash_core.runstate import is_materialized, stream_work_dir
+
+    return [name for name, spec in pipeline.stages.items() if not is_materialized(pipeline, name)
+            and spec.cls.owes_after_training(spec.config, stream_work_dir(pipeline, name), step)]
+
+
+def report_interrupt(args: argparse.Namespace, pipeline: Any, stopped: Interrupted) -> int:
     """Say what a signal left on disk and how to go on; the exit status is 128 + the signal."""
     from dflash_core.interrupts import exit_code
     from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
@@ -84,9 +97,13 @@ def report_interrupt(args: argparse.Namespace, run_dir: str, stopped: Interrupte
     signum, name = stopped.signum, signal.Signals(stopped.signum).name
     for failure in stopped.failures:
         err_console.print(f"while stopping: stage '{failure.stage}' failed: {failure.message}")
+    run_dir = pipeline.run_dir
     ckpt, step, done = latest_checkpoint(run_dir), interrupted_at(run_dir), finished_at(run_dir)
     if done is not None:
         err_console.print(f"{name}: training had finished at step {done} ({ckpt})")
+        if owing := owed_after_training(pipeline, done):
+            err_console.print(f"{', '.join(owing)} had not finished; resume with: {resume_command(args)}",
+                              soft_wrap=True)
         return exit_code(signum)
     if step is not None:
         err_console.print(f"{name}: interrupted at step {step}, checkpoint saved: {ckpt}",

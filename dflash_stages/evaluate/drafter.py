@@ -387,6 +387,13 @@ def add_warnings(report: dict[str, Any]) -> None:
     if flag_t:
         w.append(f"tau_sim logged in training ({train:.2f}, training data) vs served tau {report['tau']:.2f} "
                  f"({gap_t * 100:+.0f}%)")
+    val = (report.get("training") or {}).get("tau_serve_val")
+    report["gap_val"] = (val - report["tau"]) / report["tau"] if _finite(val) and report["tau"] > 0 else None
+    if report["gap_val"] is not None and abs(report["gap_val"]) > report.get("gap_threshold", GAP_THRESHOLD):
+        w.append(f"val_tau_serve, the trainer's walk over its validation documents ({val:.2f}), vs served tau "
+                 f"{report['tau']:.2f} ({report['gap_val'] * 100:+.0f}% of it): the walk reads the training "
+                 "records' text, the served tau the target's greedy text (sampled records read lower), on other "
+                 "prompts")
     if not report.get("lossless", True):
         m = report["mismatches"][0]
         w.append(f"NOT LOSSLESS: {len(report['mismatches'])} output(s) differ from the target's greedy decode "

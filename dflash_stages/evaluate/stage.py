@@ -77,6 +77,11 @@ class SpecDecodeEvaluate(Stage):
     default_executor = "thread"
     needs_torch = True
 
+    @classmethod
+    def owes_after_training(cls, config: EvaluateConfig, work_dir: str, step: int) -> bool:
+        """The final checkpoint is always evaluated: owed while its report is missing."""
+        return not os.path.exists(os.path.join(work_dir, _report_dir(step), "report.json"))
+
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         cfg: EvaluateConfig = self.config
         device = cfg.device or ctx.device or "cpu"
@@ -119,7 +124,7 @@ class SpecDecodeEvaluate(Stage):
             if not chosen:
                 continue
             step = item.get("step")
-            out_dir = os.path.join(ctx.work_dir, f"step-{int(step):07d}" if step is not None else "eval")
+            out_dir = os.path.join(ctx.work_dir, _report_dir(step))
             ctx.progress(0, unit="checkpoints")
             report = evaluate_export(export, out_dir=out_dir, gap_threshold=cfg.gap_threshold, prepared=prepared,
                                      **common)
@@ -146,6 +151,10 @@ class SpecDecodeEvaluate(Stage):
         from dflash_stages.evaluate.report import summary_table
 
         return summary_table(summary) if summary.get("tau") is not None else None
+
+
+def _report_dir(step: int | None) -> str:
+    return f"step-{int(step):07d}" if step is not None else "eval"
 
 
 def _read_meta(export: str) -> dict[str, Any] | None:

@@ -137,6 +137,17 @@ def test_gap_and_warnings():
            "lossless": True, "training": {"tau_sim_train": 3.2}}
     add_warnings(rep)
     assert rep["warnings"][0].startswith("TRAIN/SERVE GAP") and rep["gap_train_flag"] is True
+    assert rep["gap_val"] is None and len(rep["warnings"]) == 2
+    # the validation walk: within the threshold of the served tau no line; beyond it one, signed
+    for val, lines in ((1.0, 0), (0.98, 1), (1.25, 1)):
+        rep = {"tau": 1.1 if val != 1.0 else 1.05, "lossless": True, "gap_threshold": 0.1,
+               "training": {"tau_serve_val": val}}
+        add_warnings(rep)
+        assert rep["gap_val"] == pytest.approx((val - rep["tau"]) / rep["tau"])
+        assert [ln for ln in rep["warnings"] if ln.startswith("val_tau_serve")] == (
+            [f"val_tau_serve, the trainer's walk over its validation documents ({val:.2f}), vs served tau "
+             f"{rep['tau']:.2f} ({rep['gap_val'] * 100:+.0f}% of it): the walk reads the training records' text, "
+             "the served tau the target's greedy text (sampled records read lower), on other prompts"] if lines else [])
 
 
 # ----------------------------------------------------------------------------- export, stage, CLI

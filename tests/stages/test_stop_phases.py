@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -17,13 +18,16 @@ from typing import Callable
 
 import pytest
 
+from tests.conftest import REPO, cli_env
 from tests.stages.online_fixtures import TINY_TRAIN, online_pipeline, tiny_target
-from tests.stages.test_online_train import BIN, dflash_pipe, kill_all, launch, write
+from tests.stages.test_online_train import BIN, dflash_pipe, kill_all, launch, metrics, write
 
 ROWS = 4
 EVALUATE = ("  evaluate: {{uses: spec_decode, after: checkpoint, params: {{prompts: '{prompts}', "
             "num_prompts: 64, max_new_tokens: 512, batch_size: 1, baseline: false}}}}\n")
 """Decodes far longer than a test waits: the signal comes while it runs."""
+EVALUATE_SHORT = EVALUATE.replace("num_prompts: 64, max_new_tokens: 512", "num_prompts: 8, max_new_tokens: 64")
+"""Long enough that a signal sent as it starts lands while it decodes; short enough to run twice."""
 ABORT = "terminate called"
 
 
@@ -41,12 +45,13 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def pipeline(tmp_path: Path, target: Path, prompts: Path, rows: str, **pack: str) -> tuple[Path, Path]:
+def pipeline(tmp_path: Path, target: Path, prompts: Path, rows: str, evaluate: str = EVALUATE,
+             **pack: str) -> tuple[Path, Path]:
     """pack:``rows`` -> extract -> train -> checkpoint -> evaluate; (pipeline file, run dir)."""
     run_dir = tmp_path / "run"
     text = online_pipeline(run_dir, target, pack=dict(rows=ROWS, tokens_per_row=64, **pack),
                            train=dict(TINY_TRAIN, log_every=1), checkpoint=dict(every_steps=1000),
-                           extra=EVALUATE.format(prompts=prompts), rows=rows)
+                           extra=evaluate.format(prompts=prompts), rows=rows)
     return write(tmp_path / "p.yaml", text), run_dir
 
 
@@ -104,7 +109,48 @@ def test_a_signal_after_training_stops_evaluate(tmp_path: Path, served_target: P
     assert proc.returncode == 143, text
     assert f"SIGTERM: training had finished at step {ROWS} ({run_dir / 'checkpoints' / f'step-{ROWS:07d}'})" in text
     assert [ln for ln in text.splitlines() if ln.startswith("│ evaluate ") and " stopped " in ln], text
+    assert f"evaluate had not finished; resume with: {shlex.join(dflash_pipe(path, '--resume'))[len(str(BIN)) + 1:]}" \
+        in text.replace("\n", ""), text
     assert ABORT not in text
+
+
+def cli_run(argv: list[str]) -> tuple[int, str]:
+    """A CLI subprocess run to its end: (exit status, stdout and stderr)."""
+    done = subprocess.run(argv, cwd=REPO, env=cli_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_resume_after_a_signal_during_the_final_evaluation_evaluates_it(
+        tmp_path: Path, served_target: Path, prompts: Path) -> None:
+    """Stopped while evaluate decodes the final checkpoint, ``run --resume`` trains nothing, evaluates
+    that checkpoint and writes the report an uninterrupted run writes; the next ``--resume`` has
+    nothing left to do."""
+    ref_path, ref_dir = pipeline(tmp_path / "ref", served_target, prompts, "synthetic", EVALUATE_SHORT)
+    code, text = cli_run(dflash_pipe(ref_path))
+    assert code == 0, text
+    path, run_dir = pipeline(tmp_path, served_target, prompts, "synthetic", EVALUATE_SHORT)
+    log = tmp_path / "run.log"
+    proc = launch(dflash_pipe(path), log)
+    wait_for(lambda: "[evaluate] 0 checkpoints" in log.read_text(), proc, log, "evaluate decoding")
+    send(proc, signal.SIGTERM)
+    assert ended(proc, log) and proc.returncode == 143, log.read_text()
+    final = f"step-{ROWS:07d}"
+    report = run_dir / "work" / "evaluate" / final / "report.json"
+    assert not report.exists()
+    weights = (run_dir / "checkpoints" / final / "export" / "model.safetensors").read_bytes()
+
+    code, text = cli_run(dflash_pipe(path, "--resume"))
+    assert code == 0, text
+    assert f"training finished at step {ROWS}; evaluate had not" in text.replace("\n", ""), text
+    assert (run_dir / "checkpoints" / final / "export" / "model.safetensors").read_bytes() == weights
+    assert [m["step"] for m in metrics(run_dir) if "loss" in m] == list(range(1, ROWS + 1))
+    got, want = (json.loads(p.read_text()) for p in (report, ref_dir / "work" / "evaluate" / final / "report.json"))
+    for key in ("step", "tau", "accepted", "drafted", "cycles", "generated_tokens", "per_prompt"):
+        assert got[key] == want[key], key
+
+    code, text = cli_run(dflash_pipe(path, "--resume"))
+    assert code == 0 and f"run already complete at step {ROWS}" in text.replace("\n", ""), text
 
 
 def test_a_second_signal_aborts_at_once(tmp_path: Path, served_target: Path, prompts: Path) -> None:
