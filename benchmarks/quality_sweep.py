@@ -24,7 +24,10 @@ Points run as separate processes, ``--parallel`` at a time: timings of overlappi
 the pipeline's speed (that is the pipeline's own run), only τ is compared here. Prints one row per
 point (records, supervised tokens, steps, tokens, final loss / accuracy / τ_sim of the training
 log, served τ and n-gram τ of the evaluate report), and writes ``sweep.json`` beside the points' run
-folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens. The same
+folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens.
+``--include NAME=RUN_DIR`` adds the row of a run that is already done (a pipeline file's own run, or a
+point's run folder brought back from another machine) without running it; with only ``--include``
+the command prints the table of those runs. The same
 command with ``--resume``, after it was stopped, runs each point with ``dflash-pipe run --resume``.
 """
 
@@ -115,8 +118,9 @@ def launch(name: str, pipeline: Path, sets: dict[str, str], log: Path, resume: b
     return subprocess.Popen(cmd, stdout=log.open("a" if resume else "w"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"point": name, "sets": sets, "rc": rc, "wall_s": round(wall, 1)}
+def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: float | None) -> dict[str, Any]:
+    """A point's row; ``wall``: seconds its run took here, None for a run done elsewhere."""
+    row: dict[str, Any] = {"point": name, "sets": sets, "rc": rc, "wall_s": None if wall is None else round(wall, 1)}
     manifests = sorted(glob.glob(str(run_dir / "artifacts" / "tokenize" / "*" / "_manifest.json")),
                        key=lambda m: Path(m).stat().st_mtime)
     if manifests:  # the tokenize stage that ran last: what the point trained on
@@ -139,8 +143,10 @@ def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: flo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("points", nargs="+", help="NAME:KEY=VALUE,... (see above)")
-    ap.add_argument("--records", required=True, help="glob of generate's shards (JSONL records)")
+    ap.add_argument("points", nargs="*", help="NAME:KEY=VALUE,... (see above)")
+    ap.add_argument("--records", help="glob of generate's shards (JSONL records); needed to run points")
+    ap.add_argument("--include", action="append", default=[], metavar="NAME=RUN_DIR",
+                    help="a finished run's row, read from its run folder, not run")
     ap.add_argument("--pipeline", default=str(REPO / "pipelines" / "quality_gpu.yaml"))
     ap.add_argument("--out", required=True, help="folder for the points' pipelines, runs and logs")
     ap.add_argument("--parallel", type=int, default=1, help="points running at once")
@@ -148,8 +154,15 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true",
                     help="the same command again after it was stopped: each point's run goes on where it stopped")
     args = ap.parse_args()
+    included = [included_run(text) for text in args.include]
+    if not args.points and not included:
+        ap.error("give points to run, or --include runs to tabulate")
+    if args.points and not args.records:
+        ap.error("--records is needed to run points")
 
-    shards, base_path, base, out = sweep_inputs(args.records, args.pipeline, args.out)
+    shards, base_path, base, out = (sweep_inputs(args.records, args.pipeline, args.out) if args.points
+                                    else ([], Path(), {}, Path(args.out).resolve()))
+    out.mkdir(parents=True, exist_ok=True)
 
     jobs = []
     for text in args.points:
@@ -165,7 +178,8 @@ def main() -> int:
                                            sort_keys=False))
         jobs.append((name, {**sets, **chosen, "records": str(count)} if chosen else sets, pipeline, sets, folder))
 
-    rows, running = [], []
+    rows = [summarize(name, {"run": str(run_dir)}, run_dir, 0, None) for name, run_dir in included]
+    running: list[tuple[Any, ...]] = []
     pending = list(jobs)
     while pending or running:
         while pending and len(running) < args.parallel:
@@ -186,6 +200,17 @@ def main() -> int:
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 
+def included_run(text: str) -> tuple[str, Path]:
+    """``NAME=RUN_DIR`` of ``--include``: the name and the run folder, which must hold a training log."""
+    name, _, run_dir = text.partition("=")
+    if not name or not run_dir:
+        raise SystemExit(f"--include takes NAME=RUN_DIR: {text!r}")
+    path = Path(run_dir).resolve()
+    if not (path / "metrics.jsonl").exists():
+        raise SystemExit(f"--include {text}: no metrics.jsonl in {path} (a run folder holds one)")
+    return name, path
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per point; supervised tokens also as a multiple of the first point's (the data scale)."""
     base = next((r["supervised"] for r in rows if r.get("supervised")), None)
@@ -199,7 +224,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['point']:<16} {r['rc']:>3} {f('documents', 'd'):>7} {f('supervised', ',d'):>10} {scale:>5} "
                      f"{f('steps', 'd'):>6} {f('tokens', '.2e'):>8} {f('loss', '.3f'):>6} {f('acc', '.3f'):>5} "
                      f"{f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau_serve_all', '.2f'):>7} "
-                     f"{f('tau', '.2f'):>6} {f('tau_ngram', '.2f'):>6} {r['wall_s']:>7}")
+                     f"{f('tau', '.2f'):>6} {f('tau_ngram', '.2f'):>6} {f('wall_s', '.1f'):>7}")
     return "\n".join(lines)
 
 

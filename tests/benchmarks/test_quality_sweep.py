@@ -52,14 +52,12 @@ def test_a_data_point_takes_prompt_files_and_samples_by_the_lowest_seeds(tmp_pat
     assert len(kept()) == len(recs)
 
 
-def test_the_data_curve_table_and_png_from_made_up_runs(tmp_path: Path) -> None:
-    """Each point's row reads the supervised tokens of its tokenize stage, the training log and the
-    evaluate report; the table gives the data scale against the first point, the PNG is written."""
-    from benchmarks.quality_sweep import plot, summarize, table
-
-    rows = []
+def made_up_runs(root: Path) -> list[tuple[str, Path]]:
+    """Three finished runs' folders as a point leaves them: two tokenize manifests (the later one is
+    what it trained on), a training log and an evaluate report."""
+    runs = []
     for name, supervised, tau in (("x1", 2_364_184, 1.95), ("x3", 7_092_552, 2.2), ("x10", 23_641_840, 2.4)):
-        run = tmp_path / name / "run"
+        run = root / name / "run"
         for key, docs, when in (("old", 1, 1e9), ("new", supervised // 300, 2e9)):  # the latest tokenize is read
             manifest = run / "artifacts" / "tokenize" / key / "_manifest.json"
             manifest.parent.mkdir(parents=True)
@@ -71,7 +69,16 @@ def test_the_data_curve_table_and_png_from_made_up_runs(tmp_path: Path) -> None:
         report.parent.mkdir(parents=True)
         report.write_text(json.dumps({"tau": tau, "tau_ngram": 2.29, "tau_sim": tau, "tau_serve_all": 1.6,
                                       "lossless": True, "num_prompts": 64}))
-        rows.append(summarize(name, {}, run, 0, 100.0))
+        runs.append((name, run))
+    return runs
+
+
+def test_the_data_curve_table_and_png_from_made_up_runs(tmp_path: Path) -> None:
+    """Each point's row reads the supervised tokens of its tokenize stage, the training log and the
+    evaluate report; the table gives the data scale against the first point, the PNG is written."""
+    from benchmarks.quality_sweep import plot, summarize, table
+
+    rows = [summarize(name, {}, run, 0, 100.0) for name, run in made_up_runs(tmp_path)]
     rows.append(summarize("failed", {}, tmp_path / "none", 1, 5.0))
 
     assert [(r.get("documents"), r.get("supervised"), r.get("steps"), r.get("tau")) for r in rows] == [
@@ -99,3 +106,32 @@ def test_a_resumed_sweep_resumes_each_point_and_keeps_its_log(tmp_path: Path,
     assert [(cmd[3:], mode) for cmd, mode in started] == [
         (["run", str(tmp_path / "pipeline.yaml"), "--set", "stages.pack.params.epochs=3"], "w"),
         (["run", str(tmp_path / "pipeline.yaml"), "--resume", "--set", "stages.pack.params.epochs=3"], "a")]
+
+
+def test_included_runs_are_tabulated_without_running_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--include NAME=RUN_DIR`` alone: the rows of finished runs (brought back from another machine),
+    in the order given, their wall time unknown ("-"), sweep.json and the PNG written, no process
+    started; a folder without a training log, or no points and no runs, is refused."""
+    import sys
+
+    import benchmarks.quality_sweep as sweep
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", lambda *a, **kw: pytest.fail("nothing is to be run"))
+    runs = made_up_runs(tmp_path / "back")
+    out, png = tmp_path / "curve", tmp_path / "curve.png"
+    argv = ["quality_sweep.py", "--out", str(out), "--plot", str(png)]
+    monkeypatch.setattr(sys, "argv", argv + [f"--include={n}={r}" for n, r in reversed(runs)])
+    assert sweep.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln.split() for ln in lines if ln.split()[:1] in (["x1"], ["x3"], ["x10"])]
+    assert [(r[0], r[4], r[-3], r[-1]) for r in rows] == [
+        ("x10", "1.00", "2.40", "-"), ("x3", "0.30", "2.20", "-"), ("x1", "0.10", "1.95", "-")]
+    assert [r["point"] for r in json.loads((out / "sweep.json").read_text())] == ["x10", "x3", "x1"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    for bad in ([f"--include=x1={tmp_path}"], []):
+        monkeypatch.setattr(sys, "argv", argv + bad)
+        with pytest.raises(SystemExit):
+            sweep.main()
+
