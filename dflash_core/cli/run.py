@@ -50,7 +50,7 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
             return EXIT_OK
         if owing:  # training had ended, a signal stopped the stages after it: they run on the final checkpoint
             console.print(f"training finished at step {done}; {', '.join(owing)} had not: "
-                          f"running it again from {ckpt}", soft_wrap=True)
+                          f"running the stages after training on {ckpt}", soft_wrap=True)
         else:
             console.print(f"resuming from {ckpt}" if ckpt else
                           "no complete checkpoint found: starting from the beginning")

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import REPO, cli_env
 from tests.stages.online_fixtures import TINY_TRAIN, online_pipeline, tiny_target
-from tests.stages.test_online_train import BIN, dflash_pipe, kill_all, launch, metrics, write
+from tests.stages.test_online_train import BIN, PLUGIN, dflash_pipe, kill_all, launch, metrics, write
 
 ROWS = 4
 EVALUATE = ("  evaluate: {{uses: spec_decode, after: checkpoint, params: {{prompts: '{prompts}', "
@@ -139,6 +139,9 @@ def test_resume_after_a_signal_during_the_final_evaluation_evaluates_it(
     report = run_dir / "work" / "evaluate" / final / "report.json"
     assert not report.exists()
     weights = (run_dir / "checkpoints" / final / "export" / "model.safetensors").read_bytes()
+    code, text = cli_run([str(BIN / "dflash-pipe"), "status", "-p", PLUGIN, str(path)])
+    assert code == 0 and f"(training finished at step {ROWS}) (evaluate had not finished; finish it with: " \
+        f"dflash-pipe run -p {PLUGIN} {path} --resume)" in text.replace("\n", ""), text
 
     code, text = cli_run(dflash_pipe(path, "--resume"))
     assert code == 0, text
