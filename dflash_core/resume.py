@@ -11,9 +11,12 @@ for that checkpoint (``Stage.owes_after_training``: evaluate stopped by a signal
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_core.artifacts import join, read_json
+
+if TYPE_CHECKING:
+    from dflash_core.pipeline import Pipeline
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
@@ -39,6 +42,17 @@ def interrupted_at(run_dir: str) -> int | None:
 def _step_if(run_dir: str, flag: str) -> int | None:
     pointer = read_json(join(run_dir, CHECKPOINTS, LATEST))
     return int(pointer["step"]) if pointer and pointer.get(flag) else None
+
+
+def owed_after_training(pipeline: Pipeline, step: int | None) -> list[str]:
+    """Stages whose output for the final checkpoint is missing, where training ended at ``step``
+    (:func:`finished_at`; None: it has not, and nothing is owed)."""
+    from dflash_core.runstate import is_materialized, stream_work_dir
+
+    if step is None:
+        return []
+    return [name for name, spec in pipeline.stages.items() if not is_materialized(pipeline, name)
+            and spec.cls.owes_after_training(spec.config, stream_work_dir(pipeline, name), step)]
 
 
 def resume_states(run_dir: str) -> tuple[str | None, dict[str, Any]]:

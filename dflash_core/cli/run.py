@@ -38,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     from dflash_core.interrupts import graceful_signals
     from dflash_core.progress import make_display
-    from dflash_core.resume import finished_at, resume_states
+    from dflash_core.resume import finished_at, owed_after_training, resume_states
     from dflash_core.runner import Interrupted, Runner
 
     ckpt, states = resume_states(pipeline.run_dir) if args.resume else (None, {})
     if args.resume:
         done = finished_at(pipeline.run_dir)
-        owing = owed_after_training(pipeline, done) if done is not None else []
+        owing = owed_after_training(pipeline, done)
         if done is not None and not owing:  # no data left: running again could only rewrite what is there
             console.print(f"run already complete at step {done} ({ckpt}): nothing to resume")
             return EXIT_OK
@@ -81,18 +81,10 @@ def execute(args: argparse.Namespace, pm: Any, pipeline: Any) -> int:
     return EXIT_OK
 
 
-def owed_after_training(pipeline: Any, step: int) -> list[str]:
-    """Stages whose output for the final checkpoint (training ended at ``step``) is missing."""
-    from dflash_core.runstate import is_materialized, stream_work_dir
-
-    return [name for name, spec in pipeline.stages.items() if not is_materialized(pipeline, name)
-            and spec.cls.owes_after_training(spec.config, stream_work_dir(pipeline, name), step)]
-
-
 def report_interrupt(args: argparse.Namespace, pipeline: Any, stopped: Interrupted) -> int:
     """Say what a signal left on disk and how to go on; the exit status is 128 + the signal."""
     from dflash_core.interrupts import exit_code
-    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
+    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint, owed_after_training
 
     signum, name = stopped.signum, signal.Signals(stopped.signum).name
     for failure in stopped.failures:

@@ -18,8 +18,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_core.artifacts import ArtifactStore
-    from dflash_core.cli.run import owed_after_training, resume_command
-    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint
+    from dflash_core.cli.run import resume_command
+    from dflash_core.resume import finished_at, interrupted_at, latest_checkpoint, owed_after_training
     from dflash_core.runstate import RunRecord, analyse
 
     _, pipeline = load(args)
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     ckpt = latest_checkpoint(pipeline.run_dir)
     done, stopped = finished_at(pipeline.run_dir), interrupted_at(pipeline.run_dir)
-    owing = owed_after_training(pipeline, done) if done is not None else []
+    owing = owed_after_training(pipeline, done)
     console.print(f"latest checkpoint: {ckpt or 'none'}"
                   + (f" (training finished at step {done})" if done is not None else "")
                   + (f" ({', '.join(owing)} had not finished; finish it with: {resume_command(args)})"
