@@ -93,6 +93,9 @@ class TrainConfig:
     drafter_attention: DrafterAttention | None = field(default=None, metadata={
         "help": "explicit num_attention_heads / num_key_value_heads / head_dim / rope_theta over "
                 "drafter_shape's"})
+    intermediate_size: int | None = field(default=None, metadata={
+        "help": "the draft layers' MLP width; None: the target's (a wider or narrower MLP changes what "
+                "the drafter can fit, and serving engines read it from the export's config.json)"})
     init_from: str | None = field(default=None, metadata={
         **PATH_FIELD, "help": "an exported drafter (directory or URL, z-lab format) to start from instead of "
                 "random weights; its hidden size, vocab, target layers, block size and layer count "
@@ -135,6 +138,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.drafter_attention, Mapping):  # built in code rather than from a file
             self.drafter_attention = DrafterAttention(**self.drafter_attention)
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1 (or null), got {self.intermediate_size}")
         for name in ("lm_head_dtype", "mlp_dtype"):
             if getattr(self, name) not in get_args(ProductDtype):
                 raise ValueError(f"{name} must be model or fp8, got {getattr(self, name)!r}")

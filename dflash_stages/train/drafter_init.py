@@ -5,7 +5,8 @@ layers from its config.json: heads, head_dim and a full-rotary RoPE at ``rope_th
 copied from a hybrid Qwen3.5/3.6 target's gated attention (24 q / 4 kv heads of 256, partial
 rotary, mRoPE) cannot be written that way, so for that family the default is the drafter z-lab
 published for it (``PUBLISHED``); dense targets keep their own attention layer, as z-lab's Qwen3
-drafters do. ``drafter_shape`` / ``drafter_attention`` override the choice.
+drafters do. ``drafter_shape`` / ``drafter_attention`` override the choice. The MLP is as wide as
+the target's unless ``intermediate_size`` says otherwise (a width to sweep: docs/drafter.md).
 
 Weights. Seeded random init, or ``init_from``: an existing export (say a published drafter, to
 continue training it on your own data), whose architecture is then the one trained. An export
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from dflash_core import StageContext
@@ -83,6 +84,9 @@ def drafter_config(header: dict[str, Any], cfg: TrainConfig) -> tuple[DrafterCon
         if theta is not None:
             changes["rope"] = {"rope_theta": float(theta)}
         source += " + drafter_attention"
+    if cfg.intermediate_size is not None:
+        changes["intermediate_size"] = cfg.intermediate_size
+        source += " + intermediate_size"
     if mask is None:
         mask = pick_mask_token_id(rows, header["tokenizer_len"])
     base = DrafterConfig.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
@@ -92,15 +96,14 @@ def drafter_config(header: dict[str, Any], cfg: TrainConfig) -> tuple[DrafterCon
     return out, source
 
 
-def init_mismatches(exported: DrafterConfig, run: DrafterConfig,
-                    mask_token_id: int | None = None) -> list[str]:
-    """One line per field where an export does not fit this run (empty: it fits).
-    ``mask_token_id`` is checked only when the run sets one explicitly."""
+def init_mismatches(exported: DrafterConfig, run: DrafterConfig, explicit: Mapping[str, int | None]) -> list[str]:
+    """One line per field where an export does not fit this run (empty: it fits). ``explicit``: the
+    train params that name a drafter field (``mask_token_id``, ``intermediate_size``), checked only
+    where the run sets them; unset, the export's value is the one trained."""
     out = [f"{name}: {getattr(exported, name)} in the export, {getattr(run, name)} here ({where})"
            for name, where in INIT_CHECKS.items() if getattr(exported, name) != getattr(run, name)]
-    if mask_token_id is not None and exported.mask_token_id != mask_token_id:
-        out.append(f"mask_token_id: {exported.mask_token_id} in the export, {mask_token_id} here "
-                   "(train mask_token_id)")
+    out += [f"{name}: {getattr(exported, name)} in the export, {value} here (train {name})"
+            for name, value in explicit.items() if value is not None and getattr(exported, name) != value]
     return out
 
 
@@ -111,7 +114,7 @@ def describe(c: DrafterConfig) -> str:
     rope = c.rope_parameters(FULL)
     rotary = float(rope.get("partial_rotary_factor", 1.0))
     return (f"{c.num_layers} layers, {c.num_attention_heads} q / {c.num_key_value_heads} kv heads "
-            f"x {c.head_dim}, rope_theta {float(rope['rope_theta']):g}"
+            f"x {c.head_dim}, MLP {c.intermediate_size}, rope_theta {float(rope['rope_theta']):g}"
             f"{'' if rotary == 1.0 else f' (rotary {rotary:g})'}, mask token {c.mask_token_id}")
 
 
@@ -125,7 +128,8 @@ def build_drafter(header: dict[str, Any], cfg: TrainConfig, ctx: StageContext) -
     run, source = drafter_config(header, cfg)
     if cfg.init_from:
         exported = DrafterConfig.from_export_dict(read_export_config(cfg.init_from))
-        bad = init_mismatches(exported, run, cfg.mask_token_id)
+        bad = init_mismatches(exported, run, {"mask_token_id": cfg.mask_token_id,
+                                              "intermediate_size": cfg.intermediate_size})
         if bad:
             raise ValueError(f"init_from {cfg.init_from}: this drafter was made for another target "
                              f"or run shape: " + "; ".join(bad))

@@ -66,6 +66,19 @@ def _qwen3_5_published():
     return cfg
 
 
+def _qwen3_wide_mlp():
+    """A drafter whose MLP is wider than its target's (``intermediate_size``, a width sweep's point)."""
+    from dflash_stages.train.config import TrainConfig
+    from dflash_stages.train.drafter_init import drafter_config
+
+    header = {"config": _qwen3(QWEN3_ROPE).to_dict(), "embed_weight": torch.empty(VOCAB, 0),
+              "tokenizer_len": VOCAB, "target_layer_ids": [1, 5]}
+    cfg, _ = drafter_config(header, TrainConfig(num_layers=2, block_size=B, mask_token_id=MASK_ID,
+                                                intermediate_size=112))
+    assert cfg.intermediate_size == 112
+    return cfg
+
+
 QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1e6}
 # name: (target config, draft layer types, loaders)
 CASES = {
@@ -80,6 +93,7 @@ CASES = {
                 ("zlab", "auto")),
     "mixed": (lambda: _qwen3(QWEN3_ROPE, use_sliding_window=True, sliding_window=WINDOW), [FULL, SLIDING], ("auto",)),
     "qwen3_5_published": (_qwen3_5_published, None, ("zlab", "auto")),
+    "wide_mlp": (_qwen3_wide_mlp, None, ("zlab", "auto")),
 }
 ENVS = ("installed", "4.57")
 

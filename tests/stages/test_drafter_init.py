@@ -3,6 +3,7 @@ target's own attention for other targets, explicit overrides, and ``init_from`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def test_drafter_attention_sets_a_small_shape_for_a_tiny_hybrid_target(tmp_path:
     assert c.rope_parameters(FULL) == {"rope_theta": 1e7, "rope_type": "default"}  # the published RoPE
     assert c.mask_token_id == 499  # the published mask token belongs to the 248,320-row table only
     assert t.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
-    assert t.ctx.summary["drafter"] == "1 layers, 4 q / 2 kv heads x 16, rope_theta 1e+07, mask token 499"
+    assert t.ctx.summary["drafter"] == "1 layers, 4 q / 2 kv heads x 16, MLP 128, rope_theta 1e+07, mask token 499"
     assert t.ctx.summary["drafter_source"] == \
         "published (z-lab's Qwen3.5-27B DFlash drafter) + drafter_attention"
 
@@ -122,6 +123,24 @@ def test_drafter_attention_sets_a_small_shape_for_a_tiny_hybrid_target(tmp_path:
                            TrainConfig(drafter_shape="target", drafter_attention={"rope_theta": 5e5}))[0]
     assert theta.rope_parameters(FULL) == {"rope_theta": 5e5, "rope_type": "default"}
     assert theta.num_attention_heads == 24  # the target's, kept
+
+
+def test_intermediate_size_sets_the_mlp_width_and_nothing_else(tmp_path: Path) -> None:
+    head = header(tiny_qwen3(), [0, 2])
+    base = drafter_config(head, TrainConfig(num_layers=1, block_size=4))[0]
+    assert base.intermediate_size == 64  # the target's
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, compile="off", intermediate_size=96)
+    t = trainer(cfg, head, tmp_path)
+    c = t.model.config
+    assert dataclasses.replace(c, intermediate_size=64) == base
+    mlp = t.model.layers[0].mlp
+    assert (mlp.gate_proj.weight.shape, mlp.up_proj.weight.shape, mlp.down_proj.weight.shape) == \
+        ((96, 32), (96, 32), (32, 96))
+    assert c.to_export_dict()["intermediate_size"] == 96
+    assert t.ctx.summary["drafter"] == "1 layers, 4 q / 2 kv heads x 8, MLP 96, rope_theta 1e+06, mask token 499"
+    assert t.ctx.summary["drafter_source"] == "the target's attention layer + intermediate_size"
+    _, errors = validate_params(TrainConfig, {"intermediate_size": 0})
+    assert [m for _, m in errors] == ["invalid params: intermediate_size must be >= 1 (or null), got 0"]
 
 
 def test_the_drafter_params_are_checked_in_the_pipeline_file() -> None:
@@ -179,3 +198,8 @@ def test_init_from_refuses_a_drafter_of_another_target_or_run(export: Path, tmp_
                                 mask_token_id=7)
     with pytest.raises(ValueError, match=r"mask_token_id: 499 in the export, 7 here \(train mask_token_id\)$"):
         trainer(explicit_mask, header(tiny_qwen3(), [0, 2]), tmp_path)
+    wider = TrainConfig(num_layers=1, block_size=4, compile="off", init_from=str(export), intermediate_size=96)
+    with pytest.raises(ValueError, match=r"intermediate_size: 64 in the export, 96 here \(train intermediate_size\)$"):
+        trainer(wider, header(tiny_qwen3(), [0, 2]), tmp_path)
+    same = TrainConfig(num_layers=1, block_size=4, compile="off", init_from=str(export), intermediate_size=64)
+    assert trainer(same, header(tiny_qwen3(), [0, 2]), tmp_path / "same").model.config.intermediate_size == 64
