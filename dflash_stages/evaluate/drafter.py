@@ -246,7 +246,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     per_prompt = [_prompt_row(i, p, res, B) for i, (p, res) in enumerate(zip(prompts, run.results))]
     mismatches, ties = dec.check(run, "dflash")
 
-    report["ngram"] = report["tau_ngram"] = None
+    report["ngram"] = report["tau_ngram"] = report["vs_ngram"] = None
     if baseline:
         report["ngram"] = copy.deepcopy(base.ngram_summary)
         report["tau_ngram"] = report["ngram"]["tau"]
@@ -255,6 +255,7 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
         mismatches, ties = mismatches + ngram_mismatches, ties + ngram_ties
         for row, res in zip(per_prompt, base.ngram.results):
             row["tau_ngram"] = res.tau
+        report["vs_ngram"] = runs.pooled_difference(run, base.ngram)
     report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": base.ngram})
 
     t0 = time.perf_counter()
@@ -374,7 +375,8 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
 
 
 def add_warnings(report: dict[str, Any]) -> None:
-    """Warning lines for a flagged train/serve gap and a lossless failure (idempotent)."""
+    """Warning lines for a flagged train/serve gap, a drafter not clearly ahead of n-gram and a
+    lossless failure (idempotent)."""
     w: list[str] = []
     if report.get("gap_flag"):
         w.append(f"TRAIN/SERVE GAP: tau_sim {report['tau_sim']:.2f} vs served tau {report['tau']:.2f} "
@@ -394,6 +396,12 @@ def add_warnings(report: dict[str, Any]) -> None:
                  f"{report['tau']:.2f} ({report['gap_val'] * 100:+.0f}% of it): the walk reads the training "
                  "records' text, the served tau the target's greedy text (sampled records read lower), on other "
                  "prompts")
+    vs = report.get("vs_ngram")
+    if vs and vs["diff"] < 2 * vs["se"]:
+        w.append(f"DFlash does not clearly beat n-gram on these {vs['n']} prompts: served tau {vs['diff']:+.2f} "
+                 f"± {vs['se']:.2f} against n-gram's (the difference ± its standard error over prompts; "
+                 f"{vs['wins']} prompts won, {vs['losses']} lost), so another sample of prompts may rank the two "
+                 "otherwise")
     if not report.get("lossless", True):
         m = report["mismatches"][0]
         w.append(f"NOT LOSSLESS: {len(report['mismatches'])} output(s) differ from the target's greedy decode "

@@ -107,6 +107,10 @@ def render_table(report: Mapping[str, Any]) -> Any:
         head.add_column(col, justify="right" if col else "left")
     ng = report.get("ngram") or {}
     head.add_row("τ (served, mean per cycle)", _num(report.get("tau")), _num(report.get("tau_ngram")))
+    vs = report.get("vs_ngram")
+    if vs:
+        head.add_row("τ − n-gram τ (± its s.e. over prompts; prompts won / lost)",
+                     f"{vs['diff']:+.2f} ± {vs['se']:.2f} ({vs['wins']} / {vs['losses']})", "")
     head.add_row("τ_sim (teacher-forced, the served blocks)", _num(report.get("tau_sim")), "")
     head.add_row("τ_ref (a decode of the greedy reference: one text for the drafters that share it)",
                  _num(report.get("tau_ref")), "")

@@ -13,6 +13,7 @@ error (a wrong token accepted, a stale cache row) still fails.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -100,6 +101,35 @@ def ngram_split(prompts: Sequence[Sequence[int]], runs: Mapping[str, DecodeRun |
 
     return {"match": part(lambda n: n > 0), "no_match": part(lambda n: n == 0),
             "match_length": {str(k): part(lambda n, k=k: n == k) for k in range(NGRAM_MAX_N, 0, -1)}}
+
+
+def pooled_difference(a: DecodeRun, b: DecodeRun) -> dict[str, Any] | None:
+    """``a``'s served τ minus ``b``'s, as :meth:`DecodeRun.summary` pools them (every counted cycle of
+    every prompt), and how sure that difference is: a report's prompts are a sample of those a
+    drafter will serve, and another sample moves the difference by about ``se``, its standard error
+    over prompts (a ratio estimator's, linearized: each prompt's counted tokens less τ times its
+    counted cycles, over the mean cycles a prompt). ``n`` prompts; ``wins`` / ``losses``: the
+    prompts where ``a``'s own τ is above / below ``b``'s. None with fewer than two prompts or
+    without cycles."""
+    parts_a, parts_b = _counted(a), _counted(b)
+    n = len(parts_a)
+    cycles_a, cycles_b = sum(c for _, c in parts_a), sum(c for _, c in parts_b)
+    if n < 2 or len(parts_b) != n or not cycles_a or not cycles_b:
+        return None
+    tau_a, tau_b = sum(t for t, _ in parts_a) / cycles_a, sum(t for t, _ in parts_b) / cycles_b
+    z = [(t - tau_a * c) / (cycles_a / n) - (u - tau_b * d) / (cycles_b / n)
+         for (t, c), (u, d) in zip(parts_a, parts_b)]
+    own = [(t / c, u / d) for (t, c), (u, d) in zip(parts_a, parts_b) if c and d]
+    return {"diff": tau_a - tau_b, "se": math.sqrt(sum(x * x for x in z) / (n * (n - 1))), "n": n,
+            "wins": sum(x > y for x, y in own), "losses": sum(x < y for x, y in own)}
+
+
+def _counted(run: DecodeRun) -> list[tuple[int, int]]:
+    """Per prompt: (τ summed, cycles) over the cycles the run's pooled τ counts (``served_pool``'s
+    rule over the whole run: those with a whole block of draft budget, all where none had one)."""
+    whole = any(any(r.full) for r in run.results)
+    kept = [[t for t, f in zip(r.taus, r.full) if f or not whole] for r in run.results]
+    return [(sum(k), len(k)) for k in kept]
 
 
 def _cycle_taus(prompts: Sequence[Sequence[int]], run: DecodeRun) -> list[tuple[int, int]]:

@@ -108,7 +108,8 @@ def assert_split_adds_up(rep: dict) -> None:
 @pytest.mark.parametrize("batched", [True, False])
 def test_evaluate_reports_the_split(target, prompts, batched, monkeypatch):
     """evaluate's split, from the batched loop and from the one-prompt loop (the hybrid targets' path):
-    it partitions both drafters' cycles, n-gram gains nothing on new text, and the table shows it."""
+    it partitions both drafters' cycles, n-gram gains nothing on new text, and the table shows it,
+    with the served τ's difference from n-gram's and its standard error."""
     from rich.console import Console
 
     from dflash_model.target import spec_batch
@@ -126,10 +127,16 @@ def test_evaluate_reports_the_split(target, prompts, batched, monkeypatch):
     assert split["no_match"]["ngram"]["tau"] == 1.0 < split["match"]["ngram"]["tau"]
     assert min(split[c][d]["cycles"] for c in ("match", "no_match") for d in ("dflash", "ngram")) > 0
     assert split["match"]["dflash"]["tau"] > 1.0 and split["no_match"]["dflash"]["tau"] > 1.0
+    vs = rep["vs_ngram"]  # the served figures' difference, with its spread over the 4 prompts
+    assert vs["diff"] == pytest.approx(rep["tau"] - rep["tau_ngram"]) and vs["se"] > 0 and vs["n"] == 4
+    own = [(r["tau"], r["tau_ngram"]) for r in rep["per_prompt"]]
+    assert (vs["wins"], vs["losses"]) == (sum(a > b for a, b in own), sum(a < b for a, b in own))
 
     console = Console(width=200, record=True)
     console.print(render_table(rep))
-    line = next(x for x in console.export_text().splitlines() if "no n-gram match" in x)
+    text = console.export_text()
+    assert f"{vs['diff']:+.2f} ± {vs['se']:.2f} ({vs['wins']} / {vs['losses']})" in text
+    line = next(x for x in text.splitlines() if "no n-gram match" in x)
     new = split["no_match"]
     assert [c.strip() for c in line.split("│")[2:-1]] == [str(new["dflash"]["cycles"]), f"{new['dflash']['tau']:.2f}",
                                  f"{new['dflash']['share'] * 100:.0f}%", str(new["ngram"]["cycles"]), "1.00",
