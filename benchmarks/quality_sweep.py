@@ -23,7 +23,8 @@ the points differ only in what they set, and no point waits for the target to ge
 Points run as separate processes, ``--parallel`` at a time: timings of overlapping points are not
 the pipeline's speed (that is the pipeline's own run), only τ is compared here. Prints one row per
 point (records, supervised tokens, steps, tokens, final loss / accuracy / τ_sim of the training
-log, served τ and n-gram τ of the evaluate report), and writes ``sweep.json`` beside the points' run
+log, served τ and n-gram τ of the evaluate report with the standard error of τ's lead over n-gram),
+and writes ``sweep.json`` beside the points' run
 folders; ``--plot PNG`` also draws served τ and n-gram τ against the supervised tokens.
 ``--include NAME=RUN_DIR`` adds the row of a run that is already done (a pipeline file's own run, or a
 point's run folder brought back from another machine) without running it; with only ``--include``
@@ -138,6 +139,7 @@ def summarize(name: str, sets: dict[str, str], run_dir: Path, rc: int, wall: flo
     if reports:
         rep = json.loads(Path(reports[-1]).read_text())
         row.update({k: rep.get(k) for k in ("tau", "tau_ngram", "tau_sim", "tau_serve_all", "lossless", "num_prompts")})
+        row["lead_se"] = (rep.get("vs_ngram") or {}).get("se")  # how sure τ's lead over n-gram is
     return row
 
 
@@ -216,7 +218,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = next((r["supervised"] for r in rows if r.get("supervised")), None)
     lines = [f"{'point':<16} {'rc':>3} {'docs':>7} {'supervised':>10} {'×':>5} {'steps':>6} {'tokens':>8} "
              f"{'loss':>6} {'acc':>5} {'τ_sim tr':>8} {'τ_sim':>6} {'τ_serve':>7} {'τ':>6} {'n-gram':>6} "
-             f"{'wall s':>7}"]
+             f"{'± s.e.':>6} {'wall s':>7}"]
     for r in rows:
         def f(key: str, fmt: str) -> str:
             return format(r[key], fmt) if r.get(key) is not None else "-"
@@ -224,7 +226,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['point']:<16} {r['rc']:>3} {f('documents', 'd'):>7} {f('supervised', ',d'):>10} {scale:>5} "
                      f"{f('steps', 'd'):>6} {f('tokens', '.2e'):>8} {f('loss', '.3f'):>6} {f('acc', '.3f'):>5} "
                      f"{f('tau_sim_train', '.2f'):>8} {f('tau_sim', '.2f'):>6} {f('tau_serve_all', '.2f'):>7} "
-                     f"{f('tau', '.2f'):>6} {f('tau_ngram', '.2f'):>6} {f('wall_s', '.1f'):>7}")
+                     f"{f('tau', '.2f'):>6} {f('tau_ngram', '.2f'):>6} {f('lead_se', '.2f'):>6} "
+                     f"{f('wall_s', '.1f'):>7}")
     return "\n".join(lines)
 
 

@@ -67,8 +67,9 @@ def made_up_runs(root: Path) -> list[tuple[str, Path]]:
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
         report = run / "work" / "evaluate" / "step-0000020" / "report.json"
         report.parent.mkdir(parents=True)
+        lead = {"vs_ngram": {"diff": tau - 2.29, "se": 0.11, "n": 64, "wins": 40, "losses": 24}} if tau > 2 else {}
         report.write_text(json.dumps({"tau": tau, "tau_ngram": 2.29, "tau_sim": tau, "tau_serve_all": 1.6,
-                                      "lossless": True, "num_prompts": 64}))
+                                      "lossless": True, "num_prompts": 64, **lead}))
         runs.append((name, run))
     return runs
 
@@ -89,6 +90,8 @@ def test_the_data_curve_table_and_png_from_made_up_runs(tmp_path: Path) -> None:
     assert [line.split()[:5] for line in lines[1:]] == [
         ["x1", "0", "7880", "2,364,000", "1.00"], ["x3", "0", "23641", "7,092,300", "3.00"],
         ["x10", "0", "78806", "23,641,800", "10.00"], ["failed", "1", "-", "-", "-"]]
+    assert lines[0].split()[-3:] == ["s.e.", "wall", "s"]  # the lead's standard error, where the report has it
+    assert [line.split()[-2] for line in lines[1:]] == ["-", "0.11", "0.11", "-"]
     png = tmp_path / "curve.png"
     plot(rows, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -125,7 +128,7 @@ def test_included_runs_are_tabulated_without_running_anything(tmp_path: Path, mo
     assert sweep.main() == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [ln.split() for ln in lines if ln.split()[:1] in (["x1"], ["x3"], ["x10"])]
-    assert [(r[0], r[4], r[-3], r[-1]) for r in rows] == [
+    assert [(r[0], r[4], r[-4], r[-1]) for r in rows] == [
         ("x10", "1.00", "2.40", "-"), ("x3", "0.30", "2.20", "-"), ("x1", "0.10", "1.95", "-")]
     assert [r["point"] for r in json.loads((out / "sweep.json").read_text())] == ["x10", "x3", "x1"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
