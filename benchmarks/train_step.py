@@ -6,6 +6,8 @@ weights, no downloads), tuned and compiled, AdamW (fused on CUDA) over float32 m
 grad clip 1.0, bf16 weights; one 8,192-token packed row of 3 documents as extract sends it, 512
 anchors, B=16, 5 draft layers. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
 5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
+``--shape smollm2-135m``: the quality jobs' drafter (SmolLM2's own layer, hidden 576, vocabulary
+49,152); with ``--layers 4 --anchors 2048`` the step of ``pipelines/quality_gpu.yaml``.
 
     python benchmarks/train_step.py                      # the default run (CUDA)
     python benchmarks/train_step.py --shape qwen3.6-27b --breakdown --chunk-rows 2560,3840,7680
@@ -67,7 +69,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
             num_hidden_layers=8, vocab_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
 """The ``tiny`` shape's target: small enough for a CPU smoke test."""
-SHAPES = ("tiny", "qwen3-8b", "qwen3.6-27b")
+SHAPES = ("tiny", "qwen3-8b", "qwen3.6-27b", "smollm2-135m")
 """``--shape``: ``tiny``, or the target ``random:NAME`` of ``dflash_model.target.load.PRESETS``."""
 
 

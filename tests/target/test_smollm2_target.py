@@ -99,3 +99,16 @@ def test_smollm2_chatml_and_shipped_data_reproduces(smollm2):
     got = out[0, ids["input_ids"].shape[1]:].tolist()
     want = tok(assistant + tok.eos_token, add_special_tokens=False)["input_ids"][: len(got)]
     assert got == want, (tok.decode(got), tok.decode(want))
+
+
+@needs_smollm2
+def test_the_random_smollm2_preset_is_the_real_models_shape(smollm2):
+    """``random:smollm2-135m`` (benchmarks time the quality jobs' drafter step at it) builds the
+    config the shipped SmolLM2 loads with: every preset field, RoPE included."""
+    from dflash_model.target.load import PRESETS, random_config
+
+    model = smollm2[0]
+    real, preset = model.config.to_dict(), random_config("smollm2-135m").to_dict()
+    fields = set(PRESETS["smollm2-135m"]) - {"rms_norm_eps"}
+    assert {k: preset[k] for k in fields} == {k: real[k] for k in fields}
+    assert preset["rms_norm_eps"] == pytest.approx(real["rms_norm_eps"])  # the GGUF holds it as float32
