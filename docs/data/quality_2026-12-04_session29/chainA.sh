@@ -2,10 +2,12 @@
 # The next device session's chain (issue 32, items 3 and 2): the curve's x1 and x3 points side by
 # side, seeds 3-5 of quality_long.yaml's prompts generated beside them (for x10, the session after),
 # and, as x1 finishes, two capacity points on x1's records (6 draft layers; an MLP twice as wide).
+# First, with the GPU alone, a profile of the 10-minute job's drafter step (about 2 minutes).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainA.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder), PIPE (a cut-down pipeline file) and RUN (its run folder,
-# under W), GEN_SETS (more --set words for generate) and PT (more KEY=VALUE for every point).
+# under W), GEN_SETS (more --set words for generate), PT (more KEY=VALUE for every point) and
+# PROFILE=0 (no step profile: it is a GPU's).
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../../.." || exit 1
 W=${W:-/tmp/w}; PIPE=${PIPE:-pipelines/quality_long.yaml}; RUN=${RUN:-runs/quality_long}
@@ -15,6 +17,10 @@ echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
 . "$HERE/setup.sh"
 tar xJf docs/data/quality_2026-12-04_session28/quality_long_generate.tar.xz -C runs
 SECONDS=0
+if [ "${PROFILE:-1}" = 1 ]; then  # the 10-minute job's drafter step with the GPU alone: its phases, kernels, a CUDA graph of it
+  timeout 180 python3 benchmarks/train_step.py --shape smollm2-135m --layers 4 --anchors 2048 --breakdown \
+      --profile runs/step_profile --cuda-graph >runs/step_profile.log 2>&1; echo "step profile rc $? at $SECONDS s"
+fi
 python3 -m dflash_core.cli.main run "$PIPE" --only download $GEN_SETS >runs/download.log 2>&1; echo "download rc $?"
 X1="prompts=*train.jsonl,samples=1${PT:+,$PT}"
 echo "== sweep $(date +%T)"
