@@ -7,7 +7,8 @@ grad clip 1.0, bf16 weights; one 8,192-token packed row of 3 documents as extrac
 anchors, B=16, 5 draft layers. ``--shape qwen3.6-27b``: the drafter for Qwen3.6-27B instead (hidden
 5,120, vocabulary 248,320, the published draft-layer shape), read from the package as a run would.
 ``--shape smollm2-135m``: the quality jobs' drafter (SmolLM2's own layer, hidden 576, vocabulary
-49,152); with ``--layers 4 --anchors 2048`` the step of ``pipelines/quality_gpu.yaml``.
+49,152); with ``--layers 4 --features 5 --anchors 2048 --docs 22`` near the step of
+``pipelines/quality_gpu.yaml`` (its 8,192-token rows hold about 22 documents).
 
     python benchmarks/train_step.py                      # the default run (CUDA)
     python benchmarks/train_step.py --shape qwen3.6-27b --breakdown --chunk-rows 2560,3840,7680
@@ -59,6 +60,7 @@ from dflash_model.drafter.attention import resolve_backend
 from dflash_model.drafter.loss import loss_chunks
 from dflash_model.fast import tune_drafter
 from dflash_model.fast.optim import clipped_step
+from dflash_model.target.features import feature_layer_ids
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.drafter_init import drafter_config
 from dflash_stages.train.trainer import Trainer
@@ -83,21 +85,25 @@ def target_config(name: str) -> dict[str, Any]:
     return config_dict(random_config(name))
 
 
-def target_header(name: str, embed: torch.Tensor, lm_head: torch.Tensor) -> dict[str, Any]:
+def target_header(name: str, embed: torch.Tensor, lm_head: torch.Tensor,
+                  features: int | None = None) -> dict[str, Any]:
     """The header extract would send for the target ``random:NAME`` with these embedding and LM
-    head weights: what the trainer builds its drafter from."""
-    return {"model": f"random:{name}", "config": target_config(name), "embed_weight": embed,
-            "lm_head_weight": lm_head, "target_layer_ids": None,
+    head weights: what the trainer builds its drafter from. ``features``: how many target layers
+    extract reads (``layers: auto``); None: as many as draft layers."""
+    config = target_config(name)
+    layer_ids = feature_layer_ids("auto", features, config["num_hidden_layers"]) if features else None
+    return {"model": f"random:{name}", "config": config, "embed_weight": embed,
+            "lm_head_weight": lm_head, "target_layer_ids": layer_ids,
             "tokenizer_len": embed.shape[0] - 1}  # a random target's stand-in tokenizer: every row but the last
 
 
-def drafter_shape(name: str, layers: int = 5, block_size: int = 16) -> DrafterConfig:
+def drafter_shape(name: str, layers: int = 5, block_size: int = 16, features: int | None = None) -> DrafterConfig:
     """The drafter a run builds for the target ``random:NAME`` (``TINY`` for ``tiny``): attention
     shape, RoPE, target layers and mask token chosen by ``drafter_init.drafter_config``, from the
     header extract would send, so the benchmark's dimensions are the package's own."""
     target = target_config(name)
     weights = torch.empty(target["vocab_size"], target["hidden_size"], device="meta")
-    header = target_header(name, weights, weights)
+    header = target_header(name, weights, weights, features)
     return drafter_config(header, TrainConfig(num_layers=layers, block_size=block_size))[0]
 
 
@@ -112,6 +118,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchors", type=int, default=None, help="anchors per row (default 512; tiny 16)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--features", type=int, default=None,
+                   help="target layers the drafter reads (extract's num_features; default: as many as --layers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for a JSON result file")
 
@@ -158,7 +166,7 @@ def make_setup(args: argparse.Namespace, dtype: torch.dtype, backend: str, compi
     """``make_inputs`` and a random drafter of the shape a run builds, tuned as the trainer tunes
     it (``tune_drafter``), compiled if ``compile``: for the loss alone (``flex_vs_sdpa.py``)."""
     dev = torch.device(args.device)
-    s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size), dtype)
+    s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size, args.features), dtype)
     torch.manual_seed(args.seed)
     with dev:
         model = DFlashDrafter(s["cfg"], attn_backend=backend).to(dtype=dtype)
@@ -178,7 +186,7 @@ def make_trainer(args: argparse.Namespace, s: dict[str, Any], backend: str, work
                       mlp_dtype=args.mlp)
     ctx = StageContext(stage="train", config=cfg, device=args.device, run_dir=work, work_dir=work)
     trainer = Trainer(cfg, ctx, compile_options={"options": dict(args.inductor)} if args.inductor else None)
-    trainer.setup(target_header(args.shape, s["embed"], s["lm_head"]))
+    trainer.setup(target_header(args.shape, s["embed"], s["lm_head"], args.features))
     return trainer
 
 
@@ -208,7 +216,7 @@ def run(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
     """Set a trainer up, take its first step once (it compiles), then time its step at each
     ``--chunk-rows`` value (one result each: only the LM-head loss chunks change between them)."""
     with tempfile.TemporaryDirectory(prefix="train-step-") as work:
-        s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size), torch.bfloat16)
+        s = make_inputs(args, drafter_shape(args.shape, args.layers, args.block_size, args.features), torch.bfloat16)
         trainer = make_trainer(args, s, backend, work)
         try:
             return timed_steps(args, backend, dict(s, model=trainer.model, cfg=trainer.model.config), trainer)

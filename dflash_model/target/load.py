@@ -37,7 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
                      "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+                     "rope_theta": 100000.0},
     # no public model: small enough to try a multi-process layout on CPU in seconds
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},

@@ -109,8 +109,8 @@ def pooled_difference(a: DecodeRun, b: DecodeRun) -> dict[str, Any] | None:
     drafter will serve, and another sample moves the difference by about ``se``, its standard error
     over prompts (a ratio estimator's, linearized: each prompt's counted tokens less τ times its
     counted cycles, over the mean cycles a prompt). ``n`` prompts; ``wins`` / ``losses``: the
-    prompts where ``a``'s own τ is above / below ``b``'s. None with fewer than two prompts or
-    without cycles."""
+    prompts where ``a``'s own τ (:attr:`DecodeResult.tau`, the report's per-prompt figure) is above
+    / below ``b``'s. None with fewer than two prompts or without cycles."""
     parts_a, parts_b = _counted(a), _counted(b)
     n = len(parts_a)
     cycles_a, cycles_b = sum(c for _, c in parts_a), sum(c for _, c in parts_b)
@@ -119,9 +119,13 @@ def pooled_difference(a: DecodeRun, b: DecodeRun) -> dict[str, Any] | None:
     tau_a, tau_b = sum(t for t, _ in parts_a) / cycles_a, sum(t for t, _ in parts_b) / cycles_b
     z = [(t - tau_a * c) / (cycles_a / n) - (u - tau_b * d) / (cycles_b / n)
          for (t, c), (u, d) in zip(parts_a, parts_b)]
-    own = [(t / c, u / d) for (t, c), (u, d) in zip(parts_a, parts_b) if c and d]
+    own = [(x.tau, y.tau) for x, y in zip(a.results, b.results) if _finite(x.tau) and _finite(y.tau)]
     return {"diff": tau_a - tau_b, "se": math.sqrt(sum(x * x for x in z) / (n * (n - 1))), "n": n,
             "wins": sum(x > y for x, y in own), "losses": sum(x < y for x, y in own)}
+
+
+def _finite(x: float) -> bool:
+    return not math.isnan(x)
 
 
 def _counted(run: DecodeRun) -> list[tuple[int, int]]:

@@ -46,7 +46,7 @@ def test_loss_chunks():
 def _tiny_step(seed: int = 0, layers: int = 2):
     """A tiny drafter, one row, and a step(mark) as the benchmark's: loss, backward."""
     args = train_step.argparse.Namespace(shape="tiny", device="cpu", tokens=None, docs=3, anchors=None,
-                                         block_size=4, layers=layers, seed=seed)
+                                         block_size=4, layers=layers, features=None, seed=seed)
     s = train_step.make_setup(args, torch.float32, "sdpa")
     anchors = sample_anchors(s["loss_mask_cpu"], s["lengths"], s["N"], torch.Generator().manual_seed(seed))
 
@@ -136,3 +136,12 @@ def test_chunk_rows_list_parsing():
     for bad in ("0", "4096,x", ""):
         with pytest.raises(train_step.argparse.ArgumentTypeError):
             train_step.int_list(bad)
+
+
+def test_the_smollm2_shape_reads_the_quality_jobs_target_layers():
+    """``--shape smollm2-135m --layers 4 --features 5``: the drafter the quality jobs train, reading
+    the five layers their evaluate reports name (docs/data/quality_2026-12-04_session28)."""
+    cfg = train_step.drafter_shape("smollm2-135m", 4, 16, 5)
+    assert cfg.target_layer_ids == [1, 8, 14, 20, 27] and cfg.num_layers == 4
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_attention_heads) == (576, 1536, 49152, 9)
+    assert len(train_step.drafter_shape("smollm2-135m", 4).target_layer_ids) == 4  # as many as draft layers

@@ -48,6 +48,19 @@ def test_prompts_alike_leave_no_doubt_and_unlike_ones_do():
     assert mixed["diff"] == pytest.approx(same["diff"]) and mixed["se"] > 0.2
 
 
+def test_a_prompt_without_a_whole_block_counts_nothing_where_others_have_one():
+    """The run's pooled τ leaves out every cut-short cycle once any prompt has a whole block (not
+    prompt by prompt): prompt 1 below adds no counted cycle, and its own τ (all its cycles) still
+    makes it a win."""
+    a = _run(([3, 1], [3, 3]), ([1, 1], [2, 1]))
+    b = _run(([0, 0], [3, 3]), ([0, 0], [2, 1]))
+    got = pooled_difference(a, b)
+    assert got["diff"] == pytest.approx(a.summary(B)["tau"] - b.summary(B)["tau"]) == pytest.approx(3.0 - 1.0)
+    assert (got["n"], got["wins"], got["losses"]) == (2, 2, 0)
+    # counted (τ summed, cycles): (6, 2) and (0, 0) against (2, 2) and (0, 0): z = 0 on both prompts
+    assert got["se"] == pytest.approx(0.0)
+
+
 def test_without_a_whole_block_anywhere_every_cycle_counts():
     short_a, short_b = _run(([1, 0], [2, 2]), ([2], [2])), _run(([0, 0, 0], [2, 2, 2]), ([1, 1], [2, 2]))
     got = pooled_difference(short_a, short_b)

@@ -104,11 +104,15 @@ def test_smollm2_chatml_and_shipped_data_reproduces(smollm2):
 @needs_smollm2
 def test_the_random_smollm2_preset_is_the_real_models_shape(smollm2):
     """``random:smollm2-135m`` (benchmarks time the quality jobs' drafter step at it) builds the
-    config the shipped SmolLM2 loads with: every preset field, RoPE included."""
+    config the shipped SmolLM2 loads with: every preset field, and the RoPE a drafter copies from
+    it (transformers 4 keeps ``rope_theta``, 5 ``rope_parameters``)."""
+    from dflash_model.drafter.config import FULL, DrafterConfig
     from dflash_model.target.load import PRESETS, random_config
 
     model = smollm2[0]
     real, preset = model.config.to_dict(), random_config("smollm2-135m").to_dict()
-    fields = set(PRESETS["smollm2-135m"]) - {"rms_norm_eps"}
+    fields = set(PRESETS["smollm2-135m"]) - {"rms_norm_eps", "rope_theta"}
     assert {k: preset[k] for k in fields} == {k: real[k] for k in fields}
     assert preset["rms_norm_eps"] == pytest.approx(real["rms_norm_eps"])  # the GGUF holds it as float32
+    rope = [DrafterConfig.from_target(c, num_layers=1, mask_token_id=3).rope_parameters(FULL) for c in (real, preset)]
+    assert rope[0] == rope[1] == {"rope_theta": 100000.0, "rope_type": "default"}

@@ -1,13 +1,10 @@
 #!/bin/bash
-# The next device session's chain (issue 32, items 3 and 2): the curve's x1 and x3 points side by
-# side, seeds 3-5 of quality_long.yaml's prompts generated beside them (for x10, the session after),
-# and, as x1 finishes, two capacity points on x1's records (6 draft layers; an MLP twice as wide).
-# First, with the GPU alone, a profile of the 10-minute job's drafter step (about 2 minutes).
+# The next device session's chain (issue 32, item 3): the curve's x1 and x3 points side by side, and
+# seeds 3-5 of quality_long.yaml's prompts generated beside them (x10's records, for chainC).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainA.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder), PIPE (a cut-down pipeline file) and RUN (its run folder,
-# under W), GEN_SETS (more --set words for generate), PT (more KEY=VALUE for every point) and
-# PROFILE=0 (no step profile: it is a GPU's).
+# under W), GEN_SETS (more --set words for generate) and PT (more KEY=VALUE for every point).
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../../.." || exit 1
 W=${W:-/tmp/w}; PIPE=${PIPE:-pipelines/quality_long.yaml}; RUN=${RUN:-runs/quality_long}
@@ -17,26 +14,21 @@ echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
 . "$HERE/setup.sh"
 tar xJf docs/data/quality_2026-12-04_session28/quality_long_generate.tar.xz -C runs
 SECONDS=0
-if [ "${PROFILE:-1}" = 1 ]; then  # the 10-minute job's drafter step with the GPU alone: its phases, kernels, a CUDA graph of it
-  timeout 180 python3 benchmarks/train_step.py --shape smollm2-135m --layers 4 --anchors 2048 --breakdown \
-      --profile runs/step_profile --cuda-graph >runs/step_profile.log 2>&1; echo "step profile rc $? at $SECONDS s"
-fi
 python3 -m dflash_core.cli.main run "$PIPE" --only download $GEN_SETS >runs/download.log 2>&1; echo "download rc $?"
-X1="prompts=*train.jsonl,samples=1${PT:+,$PT}"
 echo "== sweep $(date +%T)"
 python3 benchmarks/quality_sweep.py --pipeline "$PIPE" --records "$RUN/cache/generate/*/shard-*.jsonl" \
-    --out runs/data_curve --parallel 2 "x1:$X1" "x3:prompts=*train.jsonl,samples=3${PT:+,$PT}" \
-    "x1-L6:$X1,stages.train.params.num_layers=6" "x1-mlp2:$X1,stages.train.params.intermediate_size=3072" \
-    >runs/sweep.log 2>&1 &
+    --out runs/data_curve --parallel 2 "x1:prompts=*train.jsonl,samples=1${PT:+,$PT}" \
+    "x3:prompts=*train.jsonl,samples=3${PT:+,$PT}" >runs/sweep.log 2>&1 &
 SWEEP=$!
 # every point's records are written before the first starts: generate's new files come after
 until grep -q "start x1" runs/sweep.log 2>/dev/null || ! kill -0 $SWEEP 2>/dev/null; do sleep 1; done
 echo "== seeds 3-5 $(date +%T) ($SECONDS s)"
 python3 -m dflash_core.cli.main run --traceback "$PIPE" --set stages.generate.params.samples=6 $GEN_SETS \
-    --only generate >runs/seeds_generate.log 2>&1; echo "seeds rc $? at $SECONDS s"
+    --only generate >runs/seeds_generate.log 2>&1
+rc=$?; echo "seeds rc $rc at $SECONDS s"
 ls "$RUN"/cache/generate/*/
-touch runs/seeds.done
+[ $rc = 0 ] && touch runs/seeds.done  # final.sh brings seeds 3-5 back only when all were written
 wait $SWEEP; echo "sweep rc $? at $SECONDS s"
-tail -n 6 runs/sweep.log
+tail -n 4 runs/sweep.log
 echo "== end $(date +%T)"
 touch runs/chainA.done

@@ -1,6 +1,7 @@
 #!/bin/bash
-# What comes back from chain $1 (A or B), in $OUT: logs, each run's small results (tokenize
-# manifest, training log, evaluate report) and any generated seeds 3-5 (xz, in 15 MB parts).
+# What comes back from chain $1 (A, B or C), in $OUT: logs, each run's small results (tokenize
+# manifest, training log, evaluate report), the step profile's tables and, from A, seeds 3-5 once
+# all were written (xz, in 15 MB parts).
 # Stops what is still running first.
 cd "${W:-/tmp/w}" || exit 1
 mkdir -p "$OUT"
@@ -12,7 +13,7 @@ find runs/step_profile -type f -name '*.txt' 2>/dev/null >>/tmp/list
 find runs/data_curve runs/quality_gpu -type f -size -4M \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' -o -name '*.txt' -o -name '*.png' \) \
     -not -path '*/checkpoints/*' -not -path '*/cache/*' -not -name records.jsonl -not -path '*/artifacts/tokenize/*/items.jsonl' 2>/dev/null >>/tmp/list
 tar czf "$OUT/results$1.tgz" -T /tmp/list && ls -la "$OUT/results$1.tgz"
-if [ "$1" = A ] && ls ${RUN:-runs/quality_long}/cache/generate/*/shard-*.s[345].jsonl >/tmp/seeds 2>/dev/null; then
+if [ "$1" = A ] && [ -f runs/seeds.done ] && ls ${RUN:-runs/quality_long}/cache/generate/*/shard-*.s[345].jsonl >/tmp/seeds; then
   tar cf - -T /tmp/seeds | xz -6 -T16 | split -b 15000000 -d - "$OUT/seeds345.tar.xz.part" && ls -la "$OUT"/seeds345*
 fi
 bash "$(dirname "$0")/peek.sh" "$1" 30 2>/dev/null || true

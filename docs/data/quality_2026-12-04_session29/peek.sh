@@ -1,10 +1,10 @@
 #!/bin/bash
-# How chain $1 (A or B) is going: its log's tail, the sweep's points, each run's last line, the GPU.
+# How chain $1 (A, B or C) is going: its log's tail, the sweep's points, each run's last line, the GPU.
 cd "${W:-/tmp/w}" 2>/dev/null || exit 0
 date +%T
 tail -n ${2:-6} runs/chain$1.log 2>/dev/null
 grep -h "done \|start " runs/sweep.log 2>/dev/null | cut -c1-160
-for f in runs/seeds_generate.log runs/quality_gpu.log runs/data_curve/*/log.txt; do
+for f in runs/step_profile.log runs/seeds_generate.log runs/quality_gpu.log runs/data_curve/*/log.txt; do
   [ -f $f ] && { echo "-- $f"; tail -c 300 $f | tr '\r' '\n' | tail -n 1 | cut -c1-200; }
 done
 nvidia-smi --query-gpu=utilization.gpu,memory.used,power.draw --format=csv,noheader 2>/dev/null
