@@ -6,12 +6,9 @@
 # A CPU rehearsal sets W (another folder), PIPE (a cut-down pipeline file) and RUN (its run folder,
 # under W), GEN_SETS (more --set words for generate) and PT (more KEY=VALUE for every point).
 HERE=$(cd "$(dirname "$0")" && pwd)
-cd "$HERE/../../.." || exit 1
-W=${W:-/tmp/w}; PIPE=${PIPE:-pipelines/quality_long.yaml}; RUN=${RUN:-runs/quality_long}
-mkdir -p "$W/runs"
-exec >>"$W/runs/chainA.log" 2>&1
-echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
+CHAIN=A
 . "$HERE/setup.sh"
+PIPE=${PIPE:-pipelines/quality_long.yaml}; RUN=${RUN:-runs/quality_long}
 tar xJf docs/data/quality_2026-12-04_session28/quality_long_generate.tar.xz -C runs
 SECONDS=0
 python3 -m dflash_core.cli.main run "$PIPE" --only download $GEN_SETS >runs/download.log 2>&1; echo "download rc $?"

@@ -6,11 +6,7 @@
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainB.sh >/dev/null 2>&1 </dev/null &
 HERE=$(cd "$(dirname "$0")" && pwd)
-cd "$HERE/../../.." || exit 1
-W=/tmp/w
-mkdir -p "$W/runs"
-exec >>"$W/runs/chainB.log" 2>&1
-echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
+CHAIN=B
 . "$HERE/setup.sh"
 echo "== quality_gpu $(date +%T)"
 SECONDS=0

