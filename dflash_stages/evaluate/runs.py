@@ -119,13 +119,9 @@ def pooled_difference(a: DecodeRun, b: DecodeRun) -> dict[str, Any] | None:
     tau_a, tau_b = sum(t for t, _ in parts_a) / cycles_a, sum(t for t, _ in parts_b) / cycles_b
     z = [(t - tau_a * c) / (cycles_a / n) - (u - tau_b * d) / (cycles_b / n)
          for (t, c), (u, d) in zip(parts_a, parts_b)]
-    own = [(x.tau, y.tau) for x, y in zip(a.results, b.results) if _finite(x.tau) and _finite(y.tau)]
+    own = [(x.tau, y.tau) for x, y in zip(a.results, b.results) if not (math.isnan(x.tau) or math.isnan(y.tau))]
     return {"diff": tau_a - tau_b, "se": math.sqrt(sum(x * x for x in z) / (n * (n - 1))), "n": n,
             "wins": sum(x > y for x, y in own), "losses": sum(x < y for x, y in own)}
-
-
-def _finite(x: float) -> bool:
-    return not math.isnan(x)
 
 
 def _counted(run: DecodeRun) -> list[tuple[int, int]]:
