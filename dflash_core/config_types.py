@@ -9,6 +9,8 @@ uses for positions, and gets back ``(mark, message)`` pairs. Values come from
 * a ``float`` field accepts ints and strings that parse as floats, because PyYAML reads
   ``3e-4`` (no dot) as the string ``'3e-4'``;
 * ``tuple[...]`` and ``set[...]`` fields accept YAML lists; a nested dataclass accepts a mapping;
+* a ``Literal`` offering ``"on"`` / ``"off"`` takes ``True`` / ``False`` as them: YAML reads a bare
+  ``compile: on`` as a boolean;
 * ``Optional``/``X | None``, ``Union``, ``Literal``, ``list``, ``dict``, ``Any`` are supported;
   unions try exact matches before lenient ones (``float | str`` keeps ``'abc'`` a string).
 """
@@ -244,6 +246,8 @@ class _Checker:
             for a in args:
                 if type(a) is type(value) and a == value:
                     return value
+            if isinstance(value, bool) and ("on" if value else "off") in args:
+                return "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
             hint = did_you_mean(value, [a for a in args if isinstance(a, str)]) \
                 if isinstance(value, str) else ""
             allowed = ", ".join(repr(a) for a in args)

@@ -11,16 +11,18 @@ each row before handing it on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dflash_core import Stage, StageContext
+from dflash_core.facts import ROW_TOKENS
 from dflash_core.rows import FEATURE_ROW, PACKED_ROW, checked, feature_row
 from dflash_model.fast.compile_gate import GATE
-from dflash_model.fast.settings import (AttnImplementation, CompileSetting, DtypeName,
-                                        check_compile_setting, peak_gib)
+from dflash_model.fast.settings import (AttnImplementation, CompileSetting, DtypeName, WarmUpSetting,
+                                        check_switch, peak_gib, warm_up_wanted)
 
 
 @dataclass
@@ -39,6 +41,10 @@ class ExtractConfig:
     compile: CompileSetting = field(default="auto", metadata={
         "help": "torch.compile the target's decoder layers (fused norms, RoPE, SwiGLU): auto (on "
                 "CUDA) | on | off"})
+    warm_up: WarmUpSetting = field(default="auto", metadata={
+        "help": "when every row has one length (pack pads rows to tokens_per_row), run one forward on "
+                "random tokens of that length before the first row, so that its compile overlaps the "
+                "stages upstream: auto (where the forward compiles) | on | off"})
 
     def load_target(self, device: str) -> Any:
         """The target loaded, compiled and hooked as this config says (a ``FeatureTarget``)."""
@@ -52,7 +58,8 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         from dflash_model.target.packed_attention import IMPLEMENTATIONS
 
-        check_compile_setting(self.compile)
+        check_switch("compile", self.compile)
+        check_switch("warm_up", self.warm_up)
         if self.attn_implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                              f"got {self.attn_implementation!r}")
@@ -66,6 +73,7 @@ class HFHooksExtract(Stage):
     inputs = {"rows": PACKED_ROW}
     output = FEATURE_ROW
     needs_torch = True
+    cache_ignore = ("warm_up",)
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         import torch
@@ -80,15 +88,24 @@ class HFHooksExtract(Stage):
         ctx.logger.info("target %s: %d layers, features from %s, attention %s%s", cfg.model,
                         target.model.config.num_hidden_layers, ids, target.attn,
                         ", compiled layers" if target.compiled else "")
-        yield target.header()
+        header = target.header()
+        yield header
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        rows = tokens = 0
-        for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):
+
+        def forward(row: Mapping[str, Any]) -> tuple[Any, Any]:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 with GATE.call(ctx.stage, len(row["input_ids"]), gated):  # a new length may compile
-                    feats, last = capture.capture_row(row)
+                    out = capture.capture_row(row)
                 if stream is not None:
                     stream.synchronize()
+            return out
+
+        length = ctx.upstream_facts.get(ROW_TOKENS)
+        if length and warm_up_wanted(cfg.warm_up, gated):
+            ctx.summary["warm_up_s"] = warm_up(forward, int(length), header, ctx)
+        rows = tokens = 0
+        for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):
+            feats, last = forward(row)
             T = feats.shape[0]
             rows += 1
             tokens += T
@@ -96,3 +113,17 @@ class HFHooksExtract(Stage):
             yield feature_row(row, feats, last)
         ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device))
 
+
+def warm_up(forward: Callable[[Mapping[str, Any]], Any], length: int, header: Mapping[str, Any],
+            ctx: StageContext) -> float:
+    """Seconds of one ``forward`` on a row of ``length`` random tokens (three documents), made
+    before the first row: the compile of that length (and Triton's autotuning) then runs while the
+    stages upstream still work, instead of holding up the first row."""
+    from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+
+    vocab = min(int(header["tokenizer_len"]), int(header["embed_weight"].shape[0]))
+    t0 = time.perf_counter()
+    forward(random_row(RandomRowsConfig(rows=1, tokens_per_row=length, vocab_size=vocab), 0))
+    took = time.perf_counter() - t0
+    ctx.logger.info("extract: warmed up for %d-token rows in %.1f s, before the first row", length, took)
+    return round(took, 2)

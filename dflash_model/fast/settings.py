@@ -7,8 +7,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Literal, get_args
 
-CompileSetting = Literal["auto", "on", "off"]
+Switch = Literal["auto", "on", "off"]
+"""A stage's switch for a fast path: on, off, or auto (the stage decides by where it runs)."""
+CompileSetting = Switch
 """``compile:`` of a stage: auto compiles on CUDA only (see :func:`compile_wanted`)."""
+WarmUpSetting = Switch
+"""``warm_up:`` of extract and train: auto warms up where the stage compiles (see :func:`warm_up_wanted`)."""
 DtypeName = Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
 """``dtype:`` of a stage's model: auto is bf16 on CUDA, float32 elsewhere."""
 AttnImplementation = Literal["auto", "sdpa", "eager", "packed_flex"]
@@ -18,16 +22,24 @@ AttnBackend = Literal["auto", "flex", "sdpa"]
 """The drafter's attention: auto is flex on CUDA, sdpa elsewhere (:mod:`dflash_model.drafter.attention`)."""
 
 
-def check_compile_setting(setting: str) -> None:
-    """A stage config's ``compile`` must be auto, on or off (checked before anything runs)."""
-    if setting not in get_args(CompileSetting):
-        raise ValueError(f"compile must be auto, on or off, got {setting!r}")
+def check_switch(name: str, setting: str) -> None:
+    """A stage config's switch ``name`` (``compile``, ``warm_up``) must be auto, on or off (checked
+    before anything runs)."""
+    if setting not in get_args(Switch):
+        raise ValueError(f"{name} must be auto, on or off, got {setting!r}")
 
 
 def compile_wanted(setting: str, device: object) -> bool:
     """A ``compile: auto | on | off`` setting on ``device``: auto compiles on CUDA only, where
     Inductor's fused kernels repay the compile time (on CPU it mostly costs start-up)."""
     return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
+
+
+def warm_up_wanted(setting: str, compiles: bool) -> bool:
+    """A ``warm_up: auto | on | off`` setting of a stage whose first call at a row length does or
+    does not compile: auto warms up where it does, since then the first row would wait for the
+    compile (seconds to minutes), and elsewhere a warm-up only costs a forward."""
+    return setting == "on" or (setting == "auto" and compiles)
 
 
 def triton_installed() -> bool:

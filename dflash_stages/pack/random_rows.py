@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
+from dflash_core.facts import ROW_TOKENS
 from dflash_core.rows import PACKED_ROW, packed_row, producer_fields
 
 
@@ -46,6 +47,11 @@ class RandomRows(Stage):
     Config = RandomRowsConfig
     inputs = ()
     output = PACKED_ROW
+
+    @classmethod
+    def facts_for_consumers(cls, config: RandomRowsConfig) -> Mapping[str, Any]:
+        """Every row has ``tokens_per_row`` tokens."""
+        return {ROW_TOKENS: config.tokens_per_row}
 
     def run(self, inputs: Mapping[str, Iterable[Any]], ctx: StageContext) -> Iterator[Any]:
         start = int((ctx.resume_state or {}).get("position", 0))

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-from dflash_core.facts import MAX_SAMPLE_TOKENS
+from dflash_core.facts import MAX_SAMPLE_TOKENS, ROW_TOKENS
 from dflash_core.items import SAMPLE_SOURCES, checked
 from dflash_core.pipeline import Pipeline, Problem
 from dflash_core.rows import PACKED_ROW, producer_fields
@@ -64,6 +64,12 @@ class BestFitPack(Stage):
     inputs = {"samples": SAMPLE_SOURCES}
     output = PACKED_ROW
     default_link = "stream"
+
+    @classmethod
+    def facts_for_consumers(cls, config: PackConfig) -> Mapping[str, Any]:
+        """Rows padded to their capacity all have one length, which extract and train can
+        compile for before the first row (rows padded to a smaller multiple have several)."""
+        return {ROW_TOKENS: config.tokens_per_row} if config.pad_to == config.tokens_per_row else {}
 
     @classmethod
     def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping, get_args
 from dflash_core import StageContext
 from dflash_core.artifacts import join
 from dflash_core.paths import PATH_FIELD
-from dflash_model.fast.settings import AttnBackend, CompileSetting, DtypeName, check_compile_setting
+from dflash_model.fast.settings import AttnBackend, CompileSetting, DtypeName, WarmUpSetting, check_switch
 
 AdamWKernel = Literal["auto", "triton", "torch"]
 ADAMW_KERNELS = get_args(AdamWKernel)
@@ -113,6 +113,10 @@ class TrainConfig:
                 "re-reads, one per chunk (4096: 2 chunks a row at 512 anchors x 16)"})
     compile: CompileSetting = field(default="auto", metadata={
         "help": "torch.compile the draft layers, fuse the loss chunks: auto (on CUDA) | on | off"})
+    warm_up: WarmUpSetting = field(default="auto", metadata={
+        "help": "when every row has one length (pack pads rows to tokens_per_row), take a step's forward and "
+                "backward on random tokens of that length before the first row (its gradients dropped), so "
+                "that its compile overlaps the stages upstream: auto (where the step compiles) | on | off"})
     compile_cache: str | None = field(default="~/.cache/dflash-pipe/compile", metadata={
         **PATH_FIELD, "help": "path or URL where compiled kernels are kept across runs and machines; null = off"})
     flex_kernel_options: dict[str, Any] | Literal["auto"] | None = field(default="auto", metadata={
@@ -145,7 +149,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be model or fp8, got {getattr(self, name)!r}")
         if self.loss_target not in get_args(LossTarget):
             raise ValueError("loss_target must be data, target_argmax or kl")
-        check_compile_setting(self.compile)
+        check_switch("compile", self.compile)
+        check_switch("warm_up", self.warm_up)
         if self.adamw_kernel not in ADAMW_KERNELS:  # (optim.KERNELS, named here so configs load without torch)
             raise ValueError(f"adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}, got {self.adamw_kernel!r}")
         if isinstance(self.flex_kernel_options, str) and self.flex_kernel_options != "auto":

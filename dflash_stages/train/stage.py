@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Mapping
 
 from dflash_core import Stage, StageContext
-from dflash_core.facts import SNAPSHOT_EVERY, snapshot_cadence
+from dflash_core.facts import ROW_TOKENS, SNAPSHOT_EVERY, snapshot_cadence
 from dflash_core.items import TRAIN_STATE
 from dflash_core.pipeline import Pipeline, Problem
 from dflash_core.rows import FEATURE_ROW, TARGET_HEADER, check_fields, checked, is_target_header
+from dflash_model.fast.settings import warm_up_wanted
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.snapshots import SnapshotPolicy
 
@@ -61,7 +62,7 @@ class DFlashTrain(Stage):
     # imported before the stage threads start: extract's thread imports dflash_model.drafter
     # (through dflash_model.target) while this one would, and two threads importing one package can deadlock
     preload = ("dflash_stages.train.trainer",)
-    cache_ignore = ("log_every",)
+    cache_ignore = ("log_every", "warm_up")
 
     @classmethod
     def check(cls, pipeline: Pipeline, name: str) -> Iterable[Problem]:
@@ -120,5 +121,8 @@ class DFlashTrain(Stage):
             raise ValueError("train expects the extract stage's target header as its first item")
         check_fields(header, TARGET_HEADER, ctx.stage, ctx.upstream("features"))
         trainer.setup(header)
+        length = ctx.upstream_facts.get(ROW_TOKENS)
+        if length and warm_up_wanted(self.config.warm_up, trainer.compiled):
+            trainer.warm_up(int(length))
         # fed by several extract ranks (fan-in), each sends its own copy of the header
         yield from trainer.fit(r for r in rows if not is_target_header(r))

@@ -30,7 +30,7 @@ from dflash_model.fast.optim import clipped_step, drafter_optimizer
 from dflash_model.fast.settings import compile_wanted, peak_gib
 from dflash_model.target.capture import tied
 from dflash_model.target.load import resolve_dtype
-from dflash_stages.train.config import TrainConfig, lr_at
+from dflash_stages.train.config import TrainConfig, lr_at, now
 from dflash_stages.train.drafter_init import build_drafter
 from dflash_stages.train.metrics import VAL_MEANS, MetricsLog, ServedWalk
 from dflash_stages.train.snapshots import SnapshotPolicy
@@ -117,6 +117,9 @@ class Trainer:
         self.distributed = ctx.world_size > 1
         self.interrupt_votes: torch.Tensor | None = None
         """Replicas asked to stop by an interrupt, summed by the last step's all-reduce."""
+        self.validation_party = f"{ctx.stage}:validate"
+        """The compile gate's party of the no-grad validation (:meth:`_validate`): it compiles
+        graphs of its own, apart from the training step's."""
 
     # ------------------------------------------------------------------ setup
     def setup(self, header: dict[str, Any]) -> None:
@@ -310,6 +313,39 @@ class Trainer:
         return StepStats(rows=count, tokens=tokens, row_stats=row_stats, anchors=drawn, grad_norm=grad_norm, lr=lr,
                          val_stats=val_stats)
 
+    def warm_up(self, tokens: int) -> float:
+        """Compile the step for rows of ``tokens`` tokens before the first row arrives: the forward
+        and backward of one row of random tokens (three documents) and zero features, through the
+        compile gate as a row's would go, and with ``validation_share`` the no-grad loss the
+        validation takes. Its gradients are dropped; the weights, optimizer state, step and RNG
+        that the next steps depend on do not change. Returns the seconds it took (also in the
+        summary as ``warm_up_s``)."""
+        from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+
+        embed, k = self.target["embed_weight"], len(self.target["target_layer_ids"])
+        vocab, hidden = int(embed.shape[0]), int(embed.shape[1])
+        row = random_row(RandomRowsConfig(rows=1, tokens_per_row=tokens,
+                                          vocab_size=min(vocab, int(self.target["tokenizer_len"]))), 0)
+        def zeros(width: int) -> torch.Tensor:  # in the target's dtype, as extract's features come
+            return torch.zeros(tokens, width, dtype=embed.dtype, device=self.device)
+
+        last = zeros(hidden) if self.cfg.loss_target != "data" else None
+        batch = FeatureBatch.from_row(dict(row, features=zeros(k * hidden), last_hidden=last), self.device)
+        anchors = self._anchors(batch, 0)
+        t0 = now()
+        with GATE.call(self.ctx.stage, tokens, self.compiled):
+            self._forward_backward(batch, anchors, _unmarked)
+        self.opt.zero_grad(set_to_none=True)
+        if self.cfg.validation_share:
+            with torch.no_grad(), GATE.call(self.validation_party, tokens, self.compiled):
+                self._loss(batch, anchors)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = round(now() - t0, 2)
+        self.ctx.summary["warm_up_s"] = took
+        self.ctx.logger.info("train: warmed up for %d-token rows in %.1f s, before the first row", tokens, took)
+        return took
+
     def _anchors(self, batch: FeatureBatch, micro: int) -> torch.Tensor:
         """The anchors of the step's ``micro``-th row, seeded by its place in the global batch:
         one process with rows_per_step=R draws the same anchors as R ranks with one row each.
@@ -335,7 +371,7 @@ class Trainer:
         outs = []
         # a party of its own: a no-grad call compiles other graphs than the training step's, and a
         # row length it has made warm must not let the step's first (compiling) call run beside extract
-        with torch.no_grad(), GATE.call(f"{self.ctx.stage}:validate", int(batch.features.shape[0]), self.compiled):
+        with torch.no_grad(), GATE.call(self.validation_party, int(batch.features.shape[0]), self.compiled):
             for chunk in anchors.split(self.cfg.num_anchors):  # the training step's shape: nothing compiles anew
                 outs.append((self._loss(batch, chunk), chunk.numel()))
         stats = {k: sum(getattr(out, k).detach().double() * m for out, m in outs) / anchors.numel() for k in VAL_MEANS}

@@ -136,6 +136,24 @@ def test_non_mapping_params():
     assert errors == [] and cfg == Inner()
 
 
+def test_a_bare_on_or_off_that_yaml_made_a_boolean_is_the_switch_it_reads() -> None:
+    """``compile: on`` in a pipeline file reaches the check as True: a Literal offering "on" and
+    "off" takes the booleans as them; one that does not still refuses them."""
+    import yaml
+
+    @dataclass
+    class Switches:
+        compile: Literal["auto", "on", "off"] = "auto"
+        mode: Literal["a", "b"] = "a"
+
+    params = yaml.safe_load("compile: on")
+    assert params == {"compile": True}
+    assert validate_params(Switches, params, owner="t:s")[0].compile == "on"
+    assert validate_params(Switches, {"compile": False}, owner="t:s")[0].compile == "off"
+    _, errors = validate_params(Switches, {"mode": True}, owner="t:s")
+    assert errors == [("mode", "param 'mode' must be one of 'a', 'b', got bool True")]
+
+
 def test_union_prefers_exact_match():
     @dataclass
     class U:

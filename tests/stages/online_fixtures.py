@@ -66,14 +66,16 @@ def tiny_target(root: Path, layers: int = 4, hidden: int = 64, seed: int = 0,
 
 def online_pipeline(run_dir: Path | str, target: Path | str, *, pack: dict[str, Any],
                     train: dict[str, Any], checkpoint: dict[str, Any] | None = None,
-                    layers: tuple[int, ...] = (0, 1, 2), extra: str = "", rows: str = "synthetic") -> str:
-    """YAML of pack:synthetic (or pack:``rows``) -> extract:hf_hooks -> train:dflash [-> checkpoint:fsspec]."""
+                    layers: tuple[int, ...] = (0, 1, 2), extra: str = "", rows: str = "synthetic",
+                    extract: dict[str, Any] | None = None) -> str:
+    """YAML of pack:synthetic (or pack:``rows``) -> extract:hf_hooks -> train:dflash [-> checkpoint:fsspec];
+    ``extract``: extract's params beyond the target and ``layers``."""
     import json
 
+    extract_params = {"model": str(target), "layers": list(layers), **(extract or {})}
     text = (f"version: 1\nrun_dir: {run_dir}\nstages:\n"
             f"  pack: {{uses: 'pack:{rows}', params: {json.dumps(pack)}}}\n"
-            f"  extract: {{uses: 'extract:hf_hooks', after: pack, params: "
-            f"{{model: '{target}', layers: {list(layers)}}}}}\n"
+            f"  extract: {{uses: 'extract:hf_hooks', after: pack, params: {json.dumps(extract_params)}}}\n"
             f"  train: {{uses: 'train:dflash', after: extract, params: {json.dumps(train)}}}\n")
     if checkpoint is not None:
         text += (f"  checkpoint: {{uses: 'checkpoint:fsspec', after: train, "

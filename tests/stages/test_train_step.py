@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_model.fast.compile_gate import CompileGate
 from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
 from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.trainer import weights_digest
@@ -23,9 +24,31 @@ LAYERS = [0, 2]
 ROWS = 5
 
 
-def feature_rows(hidden: int) -> list[dict[str, Any]]:
+class RecordingGate(CompileGate):
+    """The compile gate with every call taken as a compiled one (CUDA's case), recording whether
+    each call was held alone (cold) or ran beside others (warm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bool] = []
+
+    def call(self, party, key=None, compiled=True):
+        self.calls.append(not self.is_warm(party, key))
+        return super().call(party, key, True)
+
+
+def recording_gate(monkeypatch: pytest.MonkeyPatch) -> RecordingGate:
+    """A :class:`RecordingGate` in place of the trainer's."""
+    from dflash_stages.train import trainer as trainer_module
+
+    gate = RecordingGate()
+    monkeypatch.setattr(trainer_module, "GATE", gate)
+    return gate
+
+
+def feature_rows(hidden: int, docs_per_row: int = 3) -> list[dict[str, Any]]:
     """Rows as extract sends them (random features), each reporting the epoch as pack does."""
-    cfg = RandomRowsConfig(rows=ROWS, tokens_per_row=96, vocab_size=499)
+    cfg = RandomRowsConfig(rows=ROWS, tokens_per_row=96, docs_per_row=docs_per_row, vocab_size=499)
     g = torch.Generator().manual_seed(1)
     return [dict(random_row(cfg, i), kind="row", features=torch.randn(96, len(LAYERS) * hidden, generator=g),
                  last_hidden=None, rows_per_epoch=ROWS, epochs=1, state={"position": i + 1}, state_stage="pack")
@@ -261,25 +284,10 @@ def test_a_training_step_compiles_alone_after_a_validation_of_its_row_length(tmp
     the validation having run at a row length must not let the step's first call at that length run
     beside the target's compiled forward (the lazy backward compile flags FX tracing process-wide,
     and extract's compiled call then fails). Each is held alone at its first call, then runs warm."""
-    from dflash_model.fast.compile_gate import CompileGate
-    from dflash_stages.train import trainer as trainer_module
-
-    class Recording(CompileGate):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: list[bool] = []  # whether each call was held alone
-
-        def call(self, party, key=None, compiled=True):  # every call as a compiled one (CUDA's case)
-            self.calls.append(not self.is_warm(party, key))
-            return super().call(party, key, True)
-
-    gate = Recording()
-    monkeypatch.setattr(trainer_module, "GATE", gate)
+    gate = recording_gate(monkeypatch)
     cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2, validation_share=0.5)
     target = tiny_qwen3()
-    rows = [dict(random_row(RandomRowsConfig(rows=3, tokens_per_row=96, docs_per_row=6, vocab_size=499), i),
-                 kind="row", features=torch.randn(96, len(LAYERS) * target["hidden_size"]), last_hidden=None,
-                 rows_per_epoch=3, epochs=1, state={"position": i + 1}, state_stage="pack") for i in range(3)]
+    rows = feature_rows(target["hidden_size"], docs_per_row=6)[:3]
     t = trainer(cfg, header(target, LAYERS), tmp_path)
     for row in rows:
         assert t.train_step([row]).val_stats  # every row holds validation documents at this share
