@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
         num_prompts = CPU_PROMPTS
         err_console.print(f"on the CPU: the first {CPU_PROMPTS} prompts (--num-prompts N for more)", markup=False)
 
-    def progress(done: int, total: int, tau: float | None) -> None:
+    def progress(phase: str, done: int, total: int, tau: float | None) -> None:
         if not getattr(args, "quiet", False):
-            err_console.print(f"speculative decoding: {done}/{total} prompts"
+            err_console.print(f"{phase}: {done}/{total} prompts"
                               + (f", τ so far {tau:.2f}" if tau is not None else ""), markup=False)
 
     try:

@@ -22,9 +22,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from dflash_stages.generate.prompts import read_records
+
+Progress = Callable[[str, int, int, float | None], None]
+"""``progress(phase, done, total, tau_so_far)``: where an evaluation is (see :func:`evaluate_drafter`);
+``dflash-pipe evaluate`` prints it, since on a CPU each phase takes minutes."""
 
 
 GAP_THRESHOLD = 0.10
@@ -174,7 +178,8 @@ def baseline_key(target_name: str, target: Any, prompts: Sequence[Sequence[int]]
 def prepare_baseline(target: Any, prompts: Sequence[Sequence[int]], block_size: int, max_new_tokens: int = 128,
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
                      batch_size: int = 16, tie_tolerance: float | None = None, pad_id: int = 0,
-                     reference_dir: str | None = None, target_name: str = "target") -> Baseline:
+                     reference_dir: str | None = None, target_name: str = "target",
+                     progress: Progress | None = None) -> Baseline:
     """The :class:`Baseline` of drafters of ``block_size`` on ``prompts`` (the n-gram drafter proposes
     as many tokens as they do); the arguments are :func:`evaluate_drafter`'s."""
     from dflash_model.target.spec_decode import eos_set, ngram_drafter
@@ -184,11 +189,12 @@ def prepare_baseline(target: Any, prompts: Sequence[Sequence[int]], block_size: 
     tol = tie_tolerance if tie_tolerance is not None else runs.tie_tolerance(target)
     key = baseline_key(target_name, target, prompts, block_size, max_new_tokens, eos, pad_id, batch_size, tol,
                        baseline, reference_dir)
-    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name)
+    refs, ref_s = _reference(target, prompts, max_new_tokens, eos, pad_id, batch_size, reference_dir, target_name,
+                             progress)
     out = Baseline(target, key, refs, ref_s)
     if baseline:
         dec = _Decoding(target, prompts, refs, block_size, max_new_tokens, eos, batch_size, tol)
-        out.ngram = dec.decode(ngram_drafter(), None)
+        out.ngram = dec.decode(ngram_drafter(), None, progress=_batch_progress(progress, "n-gram", len(prompts)))
         out.ngram_summary = out.ngram.summary(block_size)
         out.ngram_s = out.ngram_summary.pop("seconds")
         out.ngram_issues = dec.check(out.ngram, "ngram")
@@ -198,7 +204,7 @@ def prepare_baseline(target: Any, prompts: Sequence[Sequence[int]], block_size: 
 def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                      eos_token_id: Iterable[int] | int | None = None, *, baseline: bool = True,
                      with_tau_sim: bool = True, gap_threshold: float = GAP_THRESHOLD, batch_size: int = 16,
-                     tie_tolerance: float | None = None, pad_id: int = 0, progress: Any = None,
+                     tie_tolerance: float | None = None, pad_id: int = 0, progress: Progress | None = None,
                      reference_dir: str | None = None, target_name: str = "target",
                      prepared: Baseline | None = None) -> dict[str, Any]:
     """The report of one drafter module on token-id prompts (no files, no tokenizer).
@@ -206,7 +212,9 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     ``target``: HF causal LM (eval mode); ``drafter``: a DFlashDrafter (as loaded from an export);
     ``tie_tolerance``: relative logit gap of a tolerated near tie (default: ``runs.tie_tolerance``, by
     dtype and FP8 layers);
-    ``progress(done, total, tau_so_far)`` after each batch of the drafter's decodes;
+    ``progress(phase, done, total, tau_so_far)`` as each of its decodes starts (0 done) and after each
+    batch: phases ``greedy reference``, ``n-gram`` and ``DFlash`` (``tau_so_far``: None but for the
+    drafters', whose τ pools their cycles so far);
     ``reference_dir``: where greedy references are shared with other evaluations (``reference.py``),
     one per ``target_name`` (as its files are now), the target's dtype, the prompts and ``max_new_tokens``;
     ``prepared``: a :class:`Baseline` made before, used where it fits this report.
@@ -232,13 +240,13 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     reused = prepared is not None and prepared.fits(target, key)
     base = prepared if reused else prepare_baseline(
         target, prompts, B, max_new_tokens, eos, baseline=baseline, batch_size=batch_size, tie_tolerance=tol,
-        pad_id=pad_id, reference_dir=reference_dir, target_name=target_name)
+        pad_id=pad_id, reference_dir=reference_dir, target_name=target_name, progress=progress)
     dec = _Decoding(target, prompts, base.refs, B, max_new_tokens, eos, batch_size, tol)
     timing: dict[str, Any] = {"greedy_s": round(base.ref_s, 3) if base.ref_s is not None else None,
                               "baseline_reused": reused, "baseline_step": base.step if reused else None}
 
     run = dec.decode(dflash_drafter(drafter, embed, head), layer_ids, dflash_batch_drafter(drafter, embed, head),
-                     _batch_progress(progress, len(prompts)))
+                     _batch_progress(progress, "DFlash", len(prompts)))
     report: dict[str, Any] = {"block_size": B, "target_layer_ids": layer_ids, "num_prompts": len(prompts),
                               "max_new_tokens": max_new_tokens, "fp8_layers": runs.fp8_layers(target),
                               "reference_dir": reference_dir,
@@ -270,13 +278,18 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
 
 
 def _reference(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int], pad_id: int,
-               batch_size: int, reference_dir: str | None, target_name: str
+               batch_size: int, reference_dir: str | None, target_name: str, progress: Progress | None = None
                ) -> tuple[list[list[int]], float | None]:
     """The greedy reference and the seconds its decode took (None: read from ``reference_dir``)."""
     from dflash_stages.evaluate import runs
 
     def decode() -> tuple[list[list[int]], float]:
-        return runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size)
+        def advance(done: int) -> None:
+            if progress is not None:
+                progress("greedy reference", done, len(prompts), None)
+
+        advance(0)
+        return runs.reference_decode(target, prompts, max_new_tokens, eos, pad_id, batch_size, advance)
 
     if reference_dir is None:
         return decode()
@@ -287,12 +300,14 @@ def _reference(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
     return shared_reference(reference_dir, key, target_name, decode)
 
 
-def _batch_progress(progress: Any, total: int) -> Any:
-    """``decode_all``'s callback (results so far) as ``progress(done, total, tau_so_far)``."""
+def _batch_progress(progress: Progress | None, phase: str, total: int) -> Callable[[list[Any]], None]:
+    """``decode_all``'s callback (results so far) as ``progress(phase, done, total, tau_so_far)``,
+    called once at 0 here: the phase has begun."""
     def advance(results: list[Any]) -> None:
         if progress is not None:
             accepted = [a for r in results for a in r.accepted]
-            progress(len(results), total, (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
+            progress(phase, len(results), total, (sum(accepted) + len(accepted)) / len(accepted) if accepted else None)
+    advance([])
     return advance
 
 

@@ -19,7 +19,7 @@ def evaluate_export(export: str, *, target: str | None = None, prompts: str | Se
                     num_prompts: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
                     dtype: str = "auto", out_dir: str | None = None, metrics: str | None = None,
                     loaded_target: tuple[Any, Any] | None = None, baseline: bool = True,
-                    gap_threshold: float = GAP_THRESHOLD, plot: bool = True, progress: Any = None,
+                    gap_threshold: float = GAP_THRESHOLD, plot: bool = True, progress: Progress | None = None,
                     batch_size: int = 16, tie_tolerance: float | None = None,
                     reference_dir: str | None = None, prepared: Baseline | None = None) -> dict[str, Any]:
     """Evaluate an export directory as a server would; writes report.json (+ PNG) to ``out_dir``.

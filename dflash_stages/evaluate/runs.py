@@ -173,8 +173,10 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
 
 
 def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],
-                     pad_id: int, batch_size: int) -> tuple[list[list[int]], float]:
-    """The target's plain greedy decode (batched on dense targets), and its seconds."""
+                     pad_id: int, batch_size: int, progress: Callable[[int], None] | None = None
+                     ) -> tuple[list[list[int]], float]:
+    """The target's plain greedy decode (batched on dense targets), and its seconds.
+    ``progress(prompts done)`` after each batch."""
     from dflash_model.target.spec_batch import supports_batch
 
     step = batch_size if supports_batch(target) else 1
@@ -182,6 +184,8 @@ def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_toke
     out: list[list[int]] = []
     for i in range(0, len(prompts), step):
         out += hf_greedy(target, prompts[i:i + step], max_new_tokens, eos, pad_id)
+        if progress:
+            progress(len(out))
     _sync(target)
     return out, time.perf_counter() - t0
 

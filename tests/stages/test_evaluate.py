@@ -315,13 +315,21 @@ def test_cli_on_a_directory_that_is_not_an_export_says_what_one_holds(served, cl
         assert "checkpoints/step-NNNNNNN/export" in r.text
 
 
-def test_cli_on_cpu_takes_a_few_prompts_and_shows_tau_so_far(served, cli):
+def test_cli_on_cpu_takes_a_few_prompts_and_shows_each_phase_as_it_goes(served, cli):
+    """Each decode says when it starts and after each batch (on a CPU each takes minutes), the
+    drafters' with their τ so far."""
+    import re
+
     out = served["root"] / "eval_cpu"
     r = cli("evaluate", served["export"], "--max-new-tokens", "6", "--device", "cpu", "--out", out,
-            "--batch-size", "2", "--no-baseline")
+            "--batch-size", "2")
     assert r.code == 0, r.text
     assert "the first 8 prompts" in r.text
-    assert "speculative decoding: 2/3 prompts, τ so far" in r.text and "3/3 prompts" in r.text
+    shown = [re.sub(r"so far [0-9.]+", "so far T", line) for line in r.text.splitlines()
+             if re.match(r"(greedy reference|n-gram|DFlash): ", line)]
+    assert shown == ["greedy reference: 0/3 prompts", "greedy reference: 2/3 prompts", "greedy reference: 3/3 prompts",
+                     "n-gram: 0/3 prompts", "n-gram: 2/3 prompts, τ so far T", "n-gram: 3/3 prompts, τ so far T",
+                     "DFlash: 0/3 prompts", "DFlash: 2/3 prompts, τ so far T", "DFlash: 3/3 prompts, τ so far T"]
     assert json.loads((out / "report.json").read_text())["num_prompts"] == 3  # the file holds 3
 
 
