@@ -1,8 +1,9 @@
 #!/bin/bash
 # A device session's chain (issues 32, items 5 and 2): quality_gpu.yaml as committed on a cold
-# machine, timed, with the GPU alone; then three points on x1's records (train.jsonl, seed 0, from
-# the kept generate files), each read against chainA's x1: 6 draft layers, an MLP twice as wide, and
-# loss_target target_argmax (what a greedy decode accepts, on sampled records).
+# machine, timed, with the GPU alone (extract and train warm up while generate runs in its own
+# process); then three points on x1's records (train.jsonl, seed 0, from the kept generate files),
+# each read against chainA's x1: 6 draft layers, an MLP twice as wide, and loss_target
+# target_argmax (what a greedy decode accepts, on sampled records).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainB.sh >/dev/null 2>&1 </dev/null &
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -12,6 +13,7 @@ echo "== quality_gpu $(date +%T)"
 SECONDS=0
 python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml >runs/quality_gpu.log 2>&1; echo "rc $?"
 echo "quality_gpu wall $SECONDS s"
+grep -a "warmed up\|done in" runs/quality_gpu.log
 tail -n 40 runs/quality_gpu.log
 echo "== x1 points $(date +%T)"
 tar xJf docs/data/quality_2026-12-04_session28/quality_long_generate.tar.xz -C runs

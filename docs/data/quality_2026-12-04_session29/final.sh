@@ -1,7 +1,8 @@
 #!/bin/bash
 # What comes back from chain $1 (A, B or C), in $OUT: logs, each run's small results (tokenize
-# manifest, training log, evaluate report), the step profile's tables and, from A, seeds 3-5 once
-# all were written (xz, in 15 MB parts).
+# manifest, training log, evaluate report), the step profile's tables, from A seeds 3-5 once all
+# were written, and from B quality_gpu.yaml's final export, to serve again on other prompts (xz, in
+# 15 MB parts).
 # Stops what is still running first.
 cd "${W:-/tmp/w}" || exit 1
 mkdir -p "$OUT"
@@ -15,5 +16,8 @@ find runs/data_curve runs/quality_gpu -type f -size -4M \( -name '*.json' -o -na
 tar czf "$OUT/results$1.tgz" -T /tmp/list && ls -la "$OUT/results$1.tgz"
 if [ "$1" = A ] && [ -f runs/seeds.done ] && ls ${RUN:-runs/quality_long}/cache/generate/*/shard-*.s[345].jsonl >/tmp/seeds; then
   tar cf - -T /tmp/seeds | xz -6 -T16 | split -b 15000000 -d - "$OUT/seeds345.tar.xz.part" && ls -la "$OUT"/seeds345*
+fi
+if [ "$1" = B ] && last=$(ls -d runs/quality_gpu/checkpoints/step-* 2>/dev/null | tail -n 1) && [ -n "$last" ]; then
+  tar cf - "$last/export" | xz -6 -T16 | split -b 15000000 -d - "$OUT/quality_gpu_export.tar.xz.part" && ls -la "$OUT"/quality_gpu_export*
 fi
 bash "$(dirname "$0")/peek.sh" "$1" 30 2>/dev/null || true
