@@ -1,7 +1,8 @@
 #!/bin/bash
 # A device session's chain (issues 32, items 5 and 2): quality_gpu.yaml as committed on a cold
 # machine, timed, with the GPU alone (extract and train warm up while generate runs in its own
-# process); then three points on x1's records (train.jsonl, seed 0, from the kept generate files),
+# process); the drafter's step at that job's shape in bf16 and with FP8 products (more steps in its
+# minutes?); then three points on x1's records (train.jsonl, seed 0, from the kept generate files),
 # each read against chainA's x1: 6 draft layers, an MLP twice as wide, and loss_target
 # target_argmax (what a greedy decode accepts, on sampled records).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
@@ -15,6 +16,12 @@ python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml >runs
 echo "quality_gpu wall $SECONDS s"
 grep -a "warmed up\|done in" runs/quality_gpu.log
 tail -n 40 runs/quality_gpu.log
+echo "== the 10-minute job's step, bf16 and with both FP8 products $(date +%T)"
+for p in "model model" "fp8 fp8"; do
+  set -- $p
+  timeout 150 python3 benchmarks/train_step.py --shape smollm2-135m --layers 4 --features 5 --anchors 2048 --docs 22 \
+      --lm-head $1 --mlp $2 >runs/step_$1.log 2>&1; echo "step lm_head $1 mlp $2 rc $?"; tail -n 4 runs/step_$1.log
+done
 echo "== x1 points $(date +%T)"
 tar xJf docs/data/quality_2026-12-04_session28/quality_long_generate.tar.xz -C runs
 X1="prompts=*train.jsonl,samples=1"
