@@ -326,6 +326,7 @@ class Trainer:
         vocab, hidden = int(embed.shape[0]), int(embed.shape[1])
         row = random_row(RandomRowsConfig(rows=1, tokens_per_row=tokens,
                                           vocab_size=min(vocab, int(self.target["tokenizer_len"]))), 0)
+
         def zeros(width: int) -> torch.Tensor:  # in the target's dtype, as extract's features come
             return torch.zeros(tokens, width, dtype=embed.dtype, device=self.device)
 
