@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from dflash_stages.evaluate.drafter import (GAP_THRESHOLD, Baseline, EvaluationError, add_warnings,
+from dflash_stages.evaluate.drafter import (GAP_THRESHOLD, Baseline, EvaluationError, Progress, add_warnings,
                                             evaluate_drafter, prepare_baseline, read_metrics, training_summary)
 from dflash_stages.generate.prompts import PromptError, build_prompts, eos_ids, read_records
 
