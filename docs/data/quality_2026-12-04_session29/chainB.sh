@@ -1,10 +1,11 @@
 #!/bin/bash
 # A device session's chain (issues 32, items 5 and 2): quality_gpu.yaml as committed on a cold
 # machine, timed, with the GPU alone (extract and train warm up while generate runs in its own
-# process); the drafter's step at that job's shape in bf16 and with FP8 products (more steps in its
-# minutes?); then three points on x1's records (train.jsonl, seed 0, from the kept generate files),
-# each read against chainA's x1: 6 draft layers, an MLP twice as wide, and loss_target
-# target_argmax (what a greedy decode accepts, on sampled records).
+# process); its drafter served on the held-out prompts no run has served yet (65-147 of 147, as the
+# issue's rerun on unseen prompts will); the drafter's step at that job's shape in bf16 and with FP8
+# products (more steps in its minutes?); then three points on x1's records (train.jsonl, seed 0,
+# from the kept generate files), each read against chainA's x1: 6 draft layers, an MLP twice as
+# wide, and loss_target target_argmax (what a greedy decode accepts, on sampled records).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainB.sh >/dev/null 2>&1 </dev/null &
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -24,6 +25,14 @@ if [ $rc != 0 ]; then  # generate's process is new on a GPU: the job again as be
       --set run_dir=runs/quality_gpu_thread >runs/quality_gpu_thread.log 2>&1; echo "rc $? wall $SECONDS s"
   grep -a "warmed up\|done in" runs/quality_gpu_thread.log
 fi
+echo "== its drafter on the 83 held-out prompts no run has served yet (65-147) $(date +%T)"
+tail -n +65 pipelines/data/sharegpt/heldout.jsonl >runs/heldout_65_147.jsonl
+last=$(ls -d runs/quality_gpu/checkpoints/step-* runs/quality_gpu_thread/checkpoints/step-* 2>/dev/null | tail -n 1)
+timeout 240 python3 -m dflash_core.cli.main evaluate "$last/export" --prompts runs/heldout_65_147.jsonl \
+    --num-prompts 83 --max-new-tokens 256 --batch-size 83 --out runs/quality_gpu_unseen >runs/quality_gpu_unseen.log 2>&1
+echo "rc $?"
+python3 -c "import json; r = json.load(open('runs/quality_gpu_unseen/report.json'))
+print('tau', r['tau'], 'n-gram', r['tau_ngram'], 'vs n-gram', r['vs_ngram'], 'lossless', r['lossless'])"
 echo "== the 10-minute job's step, bf16 and with both FP8 products $(date +%T)"
 for p in "model model" "fp8 fp8"; do
   set -- $p

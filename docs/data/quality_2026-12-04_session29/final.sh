@@ -11,7 +11,7 @@ if [ ! -f runs/chain$1.done ]; then
 fi
 find runs -maxdepth 1 -type f \( -name '*.log' -o -name '*.done' \) >/tmp/list
 find runs/step_profile -type f -name '*.txt' 2>/dev/null >>/tmp/list
-find runs/data_curve runs/quality_gpu runs/quality_gpu_thread -type f -size -4M \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' -o -name '*.txt' -o -name '*.png' \) \
+find runs/data_curve runs/quality_gpu runs/quality_gpu_thread runs/quality_gpu_unseen -type f -size -4M \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' -o -name '*.txt' -o -name '*.png' \) \
     -not -path '*/checkpoints/*' -not -path '*/cache/*' -not -name records.jsonl -not -path '*/artifacts/tokenize/*/items.jsonl' 2>/dev/null >>/tmp/list
 tar czf "$OUT/results$1.tgz" -T /tmp/list && ls -la "$OUT/results$1.tgz"
 if [ "$1" = A ] && [ -f runs/seeds.done ] && ls ${RUN:-runs/quality_long}/cache/generate/*/shard-*.s[345].jsonl >/tmp/seeds; then
