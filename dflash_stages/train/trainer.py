@@ -117,6 +117,9 @@ class Trainer:
         self.distributed = ctx.world_size > 1
         self.interrupt_votes: torch.Tensor | None = None
         """Replicas asked to stop by an interrupt, summed by the last step's all-reduce."""
+        self.created = now()
+        """When the stage started, as far as the trainer can tell: what ``first_row_s`` and
+        ``first_step_s`` count from."""
         self.validation_party = f"{ctx.stage}:validate"
         """The compile gate's party of the no-grad validation (:meth:`_validate`): it compiles
         graphs of its own, apart from the training step's."""
@@ -232,12 +235,16 @@ class Trainer:
         self.metrics.start()
         if self.step:  # resumed: the display counts on from the checkpoint's step
             ctx.progress(0, total=cfg.total_steps, unit="steps", start=self.step)
-        feed = _each_row_repeated(rows, cfg.steps_per_row)
+        feed = _each_row_repeated(self._first_row_noted(rows), cfg.steps_per_row)
+        first = True
         while not self.limit_reached():
             step_rows = _StepRows(feed, cfg.rows_per_step)
             done = self.train_step(step_rows)
             if done is None:  # the stream ended on a step boundary
                 break
+            if first:
+                first = False
+                self._note_time("first_step_s", "its first step done")
             self.metrics.add(done)
             if done.rows < cfg.rows_per_step:  # the stream ended within this last, partial step
                 break
@@ -263,6 +270,21 @@ class Trainer:
             self._check_replicas()
         self.metrics.close()
         yield self.snapshot(final=not interrupted, interrupted=interrupted)
+
+    def _first_row_noted(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """``rows``, noting when the first one came (``first_row_s``)."""
+        for i, row in enumerate(rows):
+            if i == 0:
+                self._note_time("first_row_s", "its first row came")
+            yield row
+
+    def _note_time(self, key: str, what: str) -> None:
+        """Seconds since the stage started, into the summary as ``key`` and the log: on a cold
+        start, the wait for data (first_row_s) and the compile before the first step (the
+        difference to first_step_s) read apart."""
+        took = round(now() - self.created, 2)
+        self.ctx.summary[key] = took
+        self.ctx.logger.info("train: %s %.1f s after the stage started", what, took)
 
     def train_step(self, rows: Iterable[dict[str, Any]], mark: Callable[[str], None] = _unmarked
                    ) -> StepStats | None:

@@ -7,12 +7,15 @@ the first row arrives (while the stages upstream still run), and nothing else ch
 - after the warm-ups, the first row's calls run warm through the compile gate (beside the other
   stage's), where without them they are held alone;
 - end to end: the warmed pipeline ends in the same train state as the unwarmed one, and both
-  stages report the warm-up.
+  stages report the warm-up;
+- the trainer says when its first row came and when its first step was done, so that a cold
+  start's wait for data and its compile read apart.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -189,3 +192,19 @@ def test_compiled_extracts_warm_up_compiles_the_one_graph_its_rows_take(
     assert len(items) == 3 and summary["warm_up_s"] > 0 and gate.calls == [True, False, False]
     assert at_first_row[0]["unique_graphs"] == 1
     assert dict(counters["stats"]) == at_first_row[0]  # the rows (two documents, not three) took the warm-up's
+
+
+def test_the_trainer_says_when_its_first_row_came_and_its_first_step_was_done(tmp_path: Path) -> None:
+    """Counted from the stage's start (the trainer's making), not from the loop's."""
+    cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2)
+    target = tiny_qwen3()
+    t = trainer(cfg, header(target, LAYERS), tmp_path)
+    rows = feature_rows(target["hidden_size"])
+
+    def late() -> Iterable[dict]:  # the stages upstream take a while to send the first row
+        time.sleep(0.5)
+        yield from rows
+
+    time.sleep(0.3)  # and the loop starts a while after the stage
+    assert list(t.fit(late()))[-1]["final"]
+    assert 0.8 <= t.ctx.summary["first_row_s"] <= t.ctx.summary["first_step_s"]
