@@ -16,14 +16,14 @@ SECONDS=0
 python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml >runs/quality_gpu.log 2>&1; rc=$?
 echo "rc $rc"
 echo "quality_gpu wall $SECONDS s"
-grep -a "warmed up\|done in" runs/quality_gpu.log
+tr '\r' '\n' <runs/quality_gpu.log | grep -a "warmed up\|first row came\|first step done\|done in"
 tail -n 40 runs/quality_gpu.log
 if [ $rc != 0 ]; then  # generate's process is new on a GPU: the job again as before, to time it all the same
   echo "== again, generate in a thread (not cold: the compile caches are warm now) $(date +%T)"
   SECONDS=0
   python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml --set stages.generate.executor=thread \
       --set run_dir=runs/quality_gpu_thread >runs/quality_gpu_thread.log 2>&1; echo "rc $? wall $SECONDS s"
-  grep -a "warmed up\|done in" runs/quality_gpu_thread.log
+  tr '\r' '\n' <runs/quality_gpu_thread.log | grep -a "warmed up\|first row came\|first step done\|done in"
 fi
 echo "== its drafter on the 83 held-out prompts no run has served yet (65-147) $(date +%T)"
 tail -n +65 pipelines/data/sharegpt/heldout.jsonl >runs/heldout_65_147.jsonl
