@@ -20,8 +20,10 @@ SWEEP=$!
 # every point's records are written before the first starts: generate's new files come after
 until grep -q "start x1" runs/sweep.log 2>/dev/null || ! kill -0 $SWEEP 2>/dev/null; do sleep 1; done
 echo "== seeds 3-5 $(date +%T) ($SECONDS s)"
+# in the CLI's own thread, as sessions 27-28 generated: x10 needs these files, and generate's
+# process of its own (quality_long.yaml since session 30) is first tried on a GPU by chainB
 python3 -m dflash_core.cli.main run --traceback "$PIPE" --set stages.generate.params.samples=6 $GEN_SETS \
-    --only generate >runs/seeds_generate.log 2>&1
+    --set stages.generate.executor=thread --only generate >runs/seeds_generate.log 2>&1
 rc=$?; echo "seeds rc $rc at $SECONDS s"
 ls "$RUN"/cache/generate/*/
 [ $rc = 0 ] && touch runs/seeds.done  # final.sh brings seeds 3-5 back only when all were written
