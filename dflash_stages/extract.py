@@ -119,11 +119,11 @@ def warm_up(forward: Callable[[Mapping[str, Any]], Any], length: int, header: Ma
     """Seconds of one ``forward`` on a row of ``length`` random tokens (three documents), made
     before the first row: the compile of that length (and Triton's autotuning) then runs while the
     stages upstream still work, instead of holding up the first row."""
-    from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+    from dflash_stages.pack.random_rows import warm_up_row
 
-    vocab = min(int(header["tokenizer_len"]), int(header["embed_weight"].shape[0]))
+    row = warm_up_row(header, length)
     t0 = time.perf_counter()
-    forward(random_row(RandomRowsConfig(rows=1, tokens_per_row=length, vocab_size=vocab), 0))
+    forward(row)
     took = time.perf_counter() - t0
     ctx.logger.info("extract: warmed up for %d-token rows in %.1f s, before the first row", length, took)
     return round(took, 2)

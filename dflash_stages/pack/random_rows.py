@@ -41,6 +41,13 @@ def random_row(cfg: RandomRowsConfig, index: int) -> dict[str, Any]:
                       pos.astype(np.int64), lengths)
 
 
+def warm_up_row(header: Mapping[str, Any], tokens: int) -> dict[str, Any]:
+    """A row of ``tokens`` random tokens (three documents) of the target that extract's ``header``
+    describes: what extract and train compile on before their first row (``warm_up``)."""
+    vocab = min(int(header["tokenizer_len"]), int(header["embed_weight"].shape[0]))
+    return random_row(RandomRowsConfig(rows=1, tokens_per_row=tokens, vocab_size=vocab), 0)
+
+
 class RandomRows(Stage):
     kind = "pack"
     name = "random"

@@ -342,12 +342,11 @@ class Trainer:
         validation takes. Its gradients are dropped; the weights, optimizer state, step and RNG
         that the next steps depend on do not change. Returns the seconds it took (also in the
         summary as ``warm_up_s``)."""
-        from dflash_stages.pack.random_rows import RandomRowsConfig, random_row
+        from dflash_stages.pack.random_rows import warm_up_row
 
         embed, k = self.target["embed_weight"], len(self.target["target_layer_ids"])
-        vocab, hidden = int(embed.shape[0]), int(embed.shape[1])
-        row = random_row(RandomRowsConfig(rows=1, tokens_per_row=tokens,
-                                          vocab_size=min(vocab, int(self.target["tokenizer_len"]))), 0)
+        hidden = int(embed.shape[1])
+        row = warm_up_row(self.target, tokens)
 
         def zeros(width: int) -> torch.Tensor:  # in the target's dtype, as extract's features come
             return torch.zeros(tokens, width, dtype=embed.dtype, device=self.device)

@@ -34,6 +34,7 @@ from dflash_stages.train.config import TrainConfig
 from dflash_stages.train.trainer import weights_digest
 from tests.stages import online_fixtures
 from tests.stages.online_fixtures import TINY_TRAIN, online_pipeline, tiny_target
+from tests.stages.test_extract import packed_row
 from tests.stages.test_drafter_init import header, tiny_qwen3, trainer
 from tests.stages.test_online_train import PLUGIN, assert_same_train_state, latest, run_in_process, write
 from tests.stages.test_train_step import LAYERS, RecordingGate, feature_rows, recording_gate
@@ -102,10 +103,7 @@ def test_after_the_trainers_warm_up_its_first_row_runs_warm(tmp_path: Path, monk
 def rows_of_40() -> list[dict]:
     """Two packed rows of 40 tokens, two documents each."""
     rng = np.random.default_rng(0)
-    return [{"input_ids": rng.integers(0, 5999, 40), "loss_mask": np.ones(40, np.uint8),
-             "position_ids": np.concatenate([np.arange(25), np.arange(15)]), "doc_lengths": [25, 15],
-             "state": {"position": i + 1}, "state_stage": "pack", "epochs": 1, "rows_per_epoch": 2}
-            for i in range(2)]
+    return [packed_row([rng.integers(0, 5999, 25), rng.integers(0, 5999, 15)]) for _ in range(2)]
 
 
 def extract_items(target: Path, rows: Iterable[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, facts: dict,
