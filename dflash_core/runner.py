@@ -24,7 +24,7 @@ from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, 
                                    StageTask, ThreadWorker)
 from dflash_core.links import POLL_S, Channel, close_all, fan_out
 from dflash_core.pipeline import Pipeline
-from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized,
+from dflash_core.runstate import (RunLock, RunRecord, StageStatus, analyse, is_materialized, log_failures,
                                   semantic_params, stage_key, stream_work_dir)
 from dflash_core.stage import StageContext
 from dflash_core.vocabulary import Executor, Freshness, Link, Status
@@ -38,11 +38,13 @@ class Refused(Exception):
 
 
 class RunFailed(Exception):
-    """A stage failed: ``failure`` is the root cause (``stage`` names it, ``tb`` is its traceback)."""
+    """A stage failed: ``failure`` is the root cause (``stage`` names it, ``tb`` is its traceback);
+    ``log``: the run dir's failures.log, where every failure of the run and its traceback went
+    (None if it could not be written)."""
 
-    def __init__(self, failure: Failure) -> None:
+    def __init__(self, failure: Failure, log: str | None = None) -> None:
         super().__init__(f"stage '{failure.stage}' failed: {failure.message}")
-        self.failure = failure
+        self.failure, self.log = failure, log
         self.stage, self.message, self.tb = failure.stage, failure.message, failure.traceback
 
 
@@ -588,7 +590,15 @@ class _Supervisor:
 
     def _shutdown(self) -> None:
         self._stop_all()
-        raise RunFailed(root_cause(self.failures))
+        raise RunFailed(root_cause(self.failures), self._log_failures())
+
+    def _log_failures(self) -> str | None:
+        try:
+            return log_failures(self.p.run_dir, self.failures, self.r.rank)
+        except Exception as exc:  # a run dir that cannot take it must not hide the failure itself
+            logging.getLogger("dflash_pipe.runner").warning("failures not written to %s: %s: %s",
+                                                            self.p.run_dir, type(exc).__name__, exc)
+            return None
 
     def _stop_all(self) -> None:
         """Stop every worker still running: the stop flag, a grace period, then kill."""

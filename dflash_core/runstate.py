@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_core.artifacts import ArtifactStore, artifact_key, join, read_json, write_json
+from dflash_core.artifacts import ArtifactStore, artifact_key, join, read_json, write_bytes, write_json
+from dflash_core.events import Failure
 from dflash_core.pipeline import Pipeline
 from dflash_core.vocabulary import Freshness, Link
 
 STATE_FILE = "state.json"
+FAILURES_FILE = "failures.log"
 LOCK_FILE = ".lock"
 
 
@@ -73,6 +75,27 @@ class RunRecord:
     def record(self, stage: str, entry: dict[str, Any]) -> None:
         self.stages[stage] = entry
         write_json(self.url, {"stages": self.stages})
+
+
+def log_failures(run_dir: str, failures: list[Failure], rank: int = 0) -> str:
+    """Append a failed run's failures, each with its traceback, to ``<run_dir>/failures.log``
+    (``failures.rank<N>.log`` on rank N > 0 under torchrun) and return its URL. The CLI prints one
+    line per failure; a run that failed in an unattended job keeps the rest here, dated, for
+    whoever reads it later."""
+    import fsspec
+
+    url = join(run_dir, FAILURES_FILE if rank == 0 else f"failures.rank{rank}.log")
+    try:
+        with fsspec.open(url, "rt") as f:
+            before = f.read()
+    except FileNotFoundError:
+        before = ""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    blocks = [f"== {stamp}: the run failed on {socket.gethostname()}, pid {os.getpid()}\n"]
+    for failure in failures:
+        blocks.append(f"-- stage {failure.stage!r}: {failure.message}\n{failure.traceback or '(no traceback)'}\n")
+    write_bytes(url, (before + "".join(blocks) + "\n").encode())
+    return url
 
 
 def analyse(pipeline: Pipeline, store: ArtifactStore, record: RunRecord) -> dict[str, StageStatus]:

@@ -92,6 +92,8 @@ def _command(argv: list[str] | None, received: list[int]) -> int:
         if args.traceback and exc.tb:
             err_console.print(exc.tb, markup=False)
         err_console.print(f"error: {exc}", markup=False, soft_wrap=True)  # paths stay whole
+        if exc.log and not args.traceback:
+            err_console.print(f"its traceback: {exc.log}", markup=False, soft_wrap=True)
         return EXIT_FAILED
     except Exception as exc:  # a bug or an environment problem: one line unless asked
         if received:

@@ -16,6 +16,12 @@ lengths would make every call a new key, so a party's calls stop being held alon
 completed as many keys as torch._dynamo recompiles a function at most (``recompile_limit``, 8):
 by then each compiled function has gone shape-dynamic or stopped compiling. A call that raised
 does not count as completed.
+
+The gate sees only the calls made through it. A compile it does not see (evaluate's decode at a
+checkpoint, a library's own torch.compile) sets the same flag, and a gated call in flight would be
+refused again. So a process that makes compiled calls through the gate has dynamo run a compiled
+function's plain Python code while another thread traces (``error_on_nested_fx_trace`` off): that
+call runs eager, slower and with the same result up to rounding, and the run goes on.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ def _recompile_limit() -> int:
     import torch._dynamo.config as config
 
     return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
+
+
+def _tolerate_foreign_traces() -> None:
+    """A compiled call made while another thread traces runs eager instead of raising (torch's
+    check reads one process-wide flag, not the calling thread's)."""
+    import torch._dynamo.config as config
+
+    config.error_on_nested_fx_trace = False
 
 
 class CompileGate:
@@ -52,6 +66,7 @@ class CompileGate:
         if not compiled:
             yield
             return
+        _tolerate_foreign_traces()
         cold = not self.is_warm(party, key)
         with self._cond:
             if cold:

@@ -148,8 +148,15 @@ def test_exit_codes(cli, write_pipeline, tmp_path):
     assert res.code == 1, res.text
     assert "error: stage 'scale' failed: ValueError: scale refuses item 2" in res.err
     assert "Traceback" not in res.err
+    log = tmp_path / "run-failing" / "failures.log"  # the traceback the screen left out, kept
+    assert f"its traceback: {log}" in res.err
+    first = log.read_text()
+    assert first.startswith("== ") and "-- stage 'scale': ValueError: scale refuses item 2\nTraceback" in first
     res = cli("run", "--traceback", "-p", STAGES, failing)
     assert res.code == 1 and "Traceback" in res.err and "scale refuses item 2" in res.err
+    assert "its traceback:" not in res.err  # on the screen already
+    again = log.read_text()  # a second failure is added below the first
+    assert again.startswith(first) and again.count("-- stage 'scale': ValueError") == 2
 
     bad = write_pipeline("""
         stages:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch._dynamo.config as dynamo_config
 
 from dflash_model.fast.compile_gate import CompileGate
 
@@ -49,14 +50,18 @@ def _call(fn, events: list[str], gate=None) -> threading.Thread:
     return t
 
 
-def test_compiled_call_waits_for_a_call_that_may_compile():
+@pytest.fixture
+def torch_default_check():
+    """torch's own setting (refuse a compiled call during a trace), put back after the test: the
+    gate turns the refusal off for the whole process."""
+    with dynamo_config.patch(error_on_nested_fx_trace=True):
+        yield
+
+
+def test_compiled_call_waits_for_a_call_that_may_compile(torch_default_check):
     f = torch.compile(lambda x: x * 2, backend="eager")
     x = torch.ones(3)
     f(x)
-    gate = CompileGate()
-    with gate.call("extract", 8192):  # the target's first row: cold, alone, then warm
-        f(x)
-    assert gate.is_warm("extract", 8192) and not gate.is_warm("extract", 4096)
 
     # without the gate the hazard is real: the other thread's compiled call is refused
     events: list[str] = []
@@ -66,6 +71,11 @@ def test_compiled_call_waits_for_a_call_that_may_compile():
     release.set()
     tracer.join(30)
     assert len(events) == 2 and events[0].startswith("refused: Detected that you are using FX"), events
+
+    gate = CompileGate()
+    with gate.call("extract", 8192):  # the target's first row: cold, alone, then warm
+        f(x)
+    assert gate.is_warm("extract", 8192) and not gate.is_warm("extract", 4096)
 
     # with it, the warm call waits until the cold one is done, then runs
     events, inside, release = [], threading.Event(), threading.Event()
@@ -77,6 +87,23 @@ def test_compiled_call_waits_for_a_call_that_may_compile():
     caller.join(30)
     assert events == ["traced", "called"]
     assert gate.is_warm("train", 8192)
+
+
+def test_a_trace_the_gate_does_not_see_costs_a_warm_call_its_compiled_code_not_the_run(torch_default_check):
+    """A compile outside the gate (evaluate's decode beside training, say) while a stage's warm call
+    runs: the call runs its plain code, during the trace, and returns what the compiled code would."""
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    x = torch.ones(3)
+    gate = CompileGate()
+    with gate.call("extract", 8192):
+        assert f(x).tolist() == [3.0, 3.0, 3.0]
+    events: list = []
+    inside, release = threading.Event(), threading.Event()
+    tracer = _traced_while(events, inside, release)  # no gate: it waits for nobody
+    _call(lambda: events.append(f(x).tolist()), events, gate).join(30)
+    release.set()
+    tracer.join(30)
+    assert events == [[3.0, 3.0, 3.0], "called", "traced"]
 
 
 def test_warm_calls_run_side_by_side_and_a_failed_cold_call_stays_cold():

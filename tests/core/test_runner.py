@@ -118,6 +118,31 @@ def test_on_stage_error_receives_the_exception_raised(dflash_run, executor):
     assert "raise ValueError" in info.value.tb
 
 
+FAILING = """
+    stages:
+      src:   {uses: numbers, params: {n: 10}}
+      scale: {uses: scale, after: src, executor: process, params: {fail_at: 3}}
+"""
+
+
+def test_a_failed_run_keeps_its_tracebacks_in_the_run_dir(dflash_run, tmp_path):
+    """failures.log: what the CLI's one line leaves out, from the stage's own process too."""
+    with pytest.raises(RunFailed) as info:
+        dflash_run(FAILING, plugins=(engine_stages,), autoload=False)
+    log = tmp_path / "run" / "failures.log"
+    assert info.value.log == str(log)
+    text = log.read_text()
+    assert "-- stage 'scale': ValueError: scale refuses item 3\n" in text
+    assert 'raise ValueError(f"scale refuses item {k}")' in text  # the line in the stage's process
+
+
+def test_a_run_dir_that_cannot_take_the_log_still_reports_the_failure(dflash_run, tmp_path):
+    (tmp_path / "run" / "failures.log").mkdir(parents=True)  # a directory where the file would go
+    with pytest.raises(RunFailed, match="scale refuses item 3") as info:
+        dflash_run(FAILING, plugins=(engine_stages,), autoload=False)
+    assert info.value.log is None
+
+
 def test_an_exception_that_cannot_cross_processes_keeps_its_type_name_and_traceback(dflash_run):
     rec = Recorder()
     with pytest.raises(RunFailed, match="TwoPartError: scale refuses item 3"):
