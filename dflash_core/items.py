@@ -236,6 +236,8 @@ METRICS_RECORD = ItemType("metrics record", (
     Field("tau_serve", "mean τ counting only whole draft blocks"),
     Field("time", "wall-clock time (Unix seconds)"),
     Field("per_slot_acc", "accuracy per draft position, last step"),
+    Field("row_wait_share", "share of the window's seconds the loop waited for its rows (fed too "
+                            "slowly from upstream) rather than stepping"),
     Field("val_loss", "mean loss over the window's validation documents (train validation_share)"),
     Field("val_acc", "mean draft accuracy over the window's validation documents"),
     Field("val_tau_sim", "mean simulated τ over the window's validation documents"),

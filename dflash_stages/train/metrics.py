@@ -113,10 +113,13 @@ class MetricsLog:
         """Rates and elapsed time count from now (the loop's start, not the model's build)."""
         self.started = self.window_start = now()
         self.tokens = self.window_from = 0
+        self.window_wait = 0.0
 
-    def add(self, stats: StepStats) -> None:
-        """A step's rows join the window (a stream's last, partial step's too)."""
+    def add(self, stats: StepStats, row_wait_s: float = 0.0) -> None:
+        """A step's rows join the window (a stream's last, partial step's too); ``row_wait_s``: the
+        seconds the loop waited for them."""
         self.tokens += stats.tokens
+        self.window_wait += row_wait_s
         self.window += stats.row_stats
         self.val_window += stats.val_stats
         self.grad_norm = stats.grad_norm
@@ -134,17 +137,19 @@ class MetricsLog:
         if self.window:
             self._write(self.record(step, lr))
             self.val_window = []
-        self.window, self.window_from, self.window_start = [], self.tokens, now()
+        self.window, self.window_from, self.window_start, self.window_wait = [], self.tokens, now(), 0.0
 
     def record(self, step: int, lr: float) -> dict[str, Any]:
         """The window's metrics record (``dflash_core.items.METRICS_RECORD``), as ``metrics.jsonl``
         holds it."""
-        rate = (self.tokens - self.window_from) / max(now() - self.window_start, 1e-9)
+        took = max(now() - self.window_start, 1e-9)
+        rate = (self.tokens - self.window_from) / took
         means = _means(self.window)  # the one host sync of the window (the validation rows' after it)
         val = self._validation() if self.val_window else {}
         epoch = {"epoch": step / self.epoch_steps} if self.epoch_steps else {}
         return {"step": step, **epoch, **dict(zip(MEANS, means)), **val, "lr": lr, "grad_norm": float(self.grad_norm),
-                "tokens_per_s": rate, "tokens": self.tokens, "elapsed_s": now() - self.started, "time": time.time(),
+                "tokens_per_s": rate, "row_wait_share": min(self.window_wait / took, 1.0), "tokens": self.tokens,
+                "elapsed_s": now() - self.started, "time": time.time(),
                 "per_slot_acc": [round(a, 4) for a in self.window[-1]["per_slot_acc"].tolist()]}
 
     def _validation(self) -> dict[str, float]:

@@ -8,7 +8,6 @@ time is the step a run takes.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
@@ -245,7 +244,7 @@ class Trainer:
             if first:
                 first = False
                 self._note_time("first_step_s", "its first step done")
-            self.metrics.add(done)
+            self.metrics.add(done, step_rows.waited)
             if done.rows < cfg.rows_per_step:  # the stream ended within this last, partial step
                 break
             if policy.boundary(self.step):  # every producer rank has sent as many rows: one state fits all
@@ -521,14 +520,22 @@ def _each_row_repeated(rows: Iterable[dict[str, Any]], times: int) -> Iterator[d
 
 
 class _StepRows:
-    """The next (at most) ``n`` rows of a stream, handed on one at a time; remembers the last."""
+    """The next (at most) ``n`` rows of a stream, handed on one at a time; remembers the last, and
+    how long the loop waited for them (``waited``, seconds): a loop that waits is fed too slowly by
+    the stages upstream, one that does not is held by its own step."""
 
     def __init__(self, feed: Iterator[dict[str, Any]], n: int) -> None:
         self.feed, self.n = feed, n
         self.last: dict[str, Any] = {}
+        self.waited = 0.0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for row in itertools.islice(self.feed, self.n):
+        for _ in range(self.n):
+            asked = now()
+            row = next(self.feed, None)
+            self.waited += now() - asked
+            if row is None:
+                return
             self.last = row
             yield row
 

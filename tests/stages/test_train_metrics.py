@@ -47,20 +47,22 @@ def test_a_record_per_window_and_one_for_the_rest(tmp_path: Path, clock: list[fl
     log.start()
     clock[0] = 1.0
     for step, done in enumerate([stats([1.0, 3.0], 100, 0.5, 4.0), stats([2.0], 60, 0.25, 2.0)], start=1):
-        log.add(done)
+        log.add(done, row_wait_s=0.25)  # the loop waited 0.5 s of the window's 1 s for its rows
         log.stepped(step, None, done)
     clock[:] = [4.0, 1.7e9 + 4]
     last = stats([0.5], 30, 0.125, 1.0)
-    log.add(last)  # a last, partial step: no stepped(), written by the closing write
+    log.add(last, row_wait_s=0.75)  # a last, partial step: no stepped(), written by the closing write
     log.write(3, 0.0625)
     log.close()
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [
         {"step": 2, "loss": 2.0, "acc": 1.0, "tau_sim": 3.0, "tau_serve": 1.0, "lr": 0.25, "grad_norm": 2.0,
-         "tokens_per_s": 160.0, "tokens": 160, "elapsed_s": 1.0, "time": 1.7e9, "per_slot_acc": [2.0, 0.1235]},
+         "tokens_per_s": 160.0, "row_wait_share": 0.5, "tokens": 160,
+         "elapsed_s": 1.0, "time": 1.7e9, "per_slot_acc": [2.0, 0.1235]},
         {"step": 3, "loss": 0.5, "acc": 0.25, "tau_sim": 1.5, "tau_serve": 1.0, "lr": 0.0625, "grad_norm": 1.0,
-         "tokens_per_s": 10.0, "tokens": 190, "elapsed_s": 4.0, "time": 1.7e9 + 4, "per_slot_acc": [0.5, 0.1235]},
+         "tokens_per_s": 10.0, "row_wait_share": 0.25, "tokens": 190,
+         "elapsed_s": 4.0, "time": 1.7e9 + 4, "per_slot_acc": [0.5, 0.1235]},
     ]
     assert all(METRICS_RECORD.matches(r) for r in records)
     shown = [e for _, e in events if e["type"] == "metrics"]

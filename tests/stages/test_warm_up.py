@@ -15,6 +15,7 @@ the first row arrives (while the stages upstream still run), and nothing else ch
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -206,3 +207,5 @@ def test_the_trainer_says_when_its_first_row_came_and_its_first_step_was_done(tm
     time.sleep(0.3)  # and the loop starts a while after the stage
     assert list(t.fit(late()))[-1]["final"]
     assert 0.8 <= t.ctx.summary["first_row_s"] <= t.ctx.summary["first_step_s"]
+    first = json.loads(Path(t.metrics.path).read_text().splitlines()[0])
+    assert first["row_wait_share"] * first["elapsed_s"] >= 0.5  # the first window waited for its row

@@ -1,6 +1,7 @@
 #!/bin/bash
 # The next device session's chain (issue 32, item 3): the curve's x1 and x3 points side by side, and
-# seeds 3-5 of quality_long.yaml's prompts generated beside them (x10's records, for chainC).
+# seeds 3-5 of quality_long.yaml's prompts generated beside them (x10's records, for chainC); then,
+# if the session's minutes allow, x1-mlp2 (chainB's width point, lost in session 31).
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainA.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder), PIPE (a cut-down pipeline file) and RUN (its run folder,
@@ -29,5 +30,12 @@ ls "$RUN"/cache/generate/*/
 [ $rc = 0 ] && touch runs/seeds.done  # final.sh brings seeds 3-5 back only when all were written
 wait $SWEEP; echo "sweep rc $? at $SECONDS s"
 tail -n 4 runs/sweep.log
+# session 31's chainB lost this point at its first checkpoint (failures.log now keeps why, if again);
+# its own log, as sweep.json is written anew (the table reads every point's folder with --include)
+echo "== x1-mlp2 again $(date +%T)"
+python3 benchmarks/quality_sweep.py --pipeline "$PIPE" --records "$RUN/cache/generate/*/shard-*.jsonl" \
+    --out runs/data_curve "x1-mlp2:prompts=*train.jsonl,samples=1,stages.train.params.intermediate_size=3072${PT:+,$PT}" \
+    >runs/sweep_mlp2.log 2>&1; echo "x1-mlp2 rc $? at $SECONDS s"
+tail -n 3 runs/sweep_mlp2.log
 echo "== end $(date +%T)"
 touch runs/chainA.done
