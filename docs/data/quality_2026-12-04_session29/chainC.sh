@@ -24,6 +24,12 @@ if [ "$n" = 12 ]; then
       --records 'runs/quality_long/cache/generate/*/shard-*.jsonl' --out runs/data_curve \
       'x10:samples=6,stages.pack.params.epochs=4' >runs/sweep.log 2>&1; echo "x10 rc $? at $SECONDS s"
   tail -n 4 runs/sweep.log
+  echo "== x10's drafter on the 83 held-out prompts the points are not served on (65-147) $(date +%T)"
+  tail -n +65 pipelines/data/sharegpt/heldout.jsonl >runs/heldout_65_147.jsonl
+  last=$(ls -d runs/data_curve/x10/run/checkpoints/step-* | tail -n 1)
+  timeout 240 python3 -m dflash_core.cli.main evaluate "$last/export" --prompts runs/heldout_65_147.jsonl \
+      --num-prompts 83 --max-new-tokens 256 --batch-size 83 --out runs/x10_unseen >runs/x10_unseen.log 2>&1
+  echo "rc $?"; tail -n 8 runs/x10_unseen.log
 else
   echo "NOT RUN: x10 needs all six samples of both shards"
 fi

@@ -1,4 +1,4 @@
-# Sourced by each chain with HERE (this folder) and CHAIN (A, B or C) set: the chain's output from here
+# Sourced by each chain with HERE (this folder) and CHAIN (A, B, C or D) set: the chain's output from here
 # on to $W/runs/chain$CHAIN.log, SmolLM2's wheel from its three carried parts, a private copy of the
 # tree at $W (default /tmp/w: the path in the generate cache key of the kept files; a device call
 # re-copies the checkout under a running job), the wheels installed there, and the shell moved into

@@ -1,0 +1,31 @@
+#!/bin/bash
+# A device session's chain (issue 32, item 5): why session 31's cold quality_gpu.yaml stepped 41%
+# slower than session 27's. Twice from cold caches, the GPU sampled every 2 s: as committed (train's
+# row_wait_share now in metrics.jsonl), then with neither warm-up nor early baseline (session 27's
+# order of work on today's code). Steps back at session 27's ~55 ms in the second run put the cause
+# in one of the two; steps as slow in both put it elsewhere (generate's process, the machine).
+#   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
+#   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
+HERE=$(cd "$(dirname "$0")" && pwd)
+CHAIN=D
+. "$HERE/setup.sh"
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv,noheader -l 2 \
+    >runs/gpu.csv 2>/dev/null &
+SMI=$!
+cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and dflash-pipe compile caches.
+  local run=$1; shift
+  echo "== $run $(date +%T)"
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/$run.inductor TRITON_CACHE_DIR=$PWD/runs/$run.triton
+  SECONDS=0
+  python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml --set run_dir=runs/$run \
+      --set stages.train.params.compile_cache=runs/$run.compile "$@" >runs/$run.log 2>&1
+  echo "rc $? wall $SECONDS s"
+  tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in"
+  tail -n 12 runs/$run.log
+}
+cold quality_gpu
+cold quality_gpu_plain --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
+    --set stages.evaluate.params.early_baseline=false
+kill $SMI
+echo "== end $(date +%T)"
+touch runs/chainD.done
