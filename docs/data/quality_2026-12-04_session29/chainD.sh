@@ -1,9 +1,10 @@
 #!/bin/bash
 # A device session's chain (issue 32, item 5): why session 31's cold quality_gpu.yaml stepped 41%
 # slower than session 27's. Twice from cold caches, the GPU sampled every 2 s: as committed (train's
-# row_wait_share now in metrics.jsonl), then with neither warm-up nor early baseline (session 27's
-# order of work on today's code). Steps back at session 27's ~55 ms in the second run put the cause
-# in one of the two; steps as slow in both put it elsewhere (generate's process, the machine).
+# row_wait_share now in metrics.jsonl), then as session 27 ran it (generate in the CLI's thread, no
+# warm-up, no early baseline) on today's code. Steps back at session 27's ~55 ms in the second run put
+# the cause in those three (steps 40-400, before the baseline starts, set the baseline apart); steps
+# as slow in both put it in the code since session 27 or the machine.
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -25,7 +26,7 @@ cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and df
 }
 cold quality_gpu
 cold quality_gpu_plain --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
-    --set stages.evaluate.params.early_baseline=false
+    --set stages.evaluate.params.early_baseline=false --set stages.generate.executor=thread
 kill $SMI
 echo "== end $(date +%T)"
 touch runs/chainD.done
