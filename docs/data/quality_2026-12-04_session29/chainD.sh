@@ -7,6 +7,7 @@
 # as slow in both put it in the code since session 27 or the machine.
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
+# A CPU rehearsal sets W (another folder) and PIPE (a cut-down pipeline file of the same stages).
 HERE=$(cd "$(dirname "$0")" && pwd)
 CHAIN=D
 . "$HERE/setup.sh"
@@ -18,7 +19,7 @@ cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and df
   echo "== $run $(date +%T)"
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/$run.inductor TRITON_CACHE_DIR=$PWD/runs/$run.triton
   SECONDS=0
-  python3 -m dflash_core.cli.main run --traceback pipelines/quality_gpu.yaml --set run_dir=runs/$run \
+  python3 -m dflash_core.cli.main run --traceback "${PIPE:-pipelines/quality_gpu.yaml}" --set run_dir=runs/$run \
       --set stages.train.params.compile_cache=runs/$run.compile "$@" >runs/$run.log 2>&1
   echo "rc $? wall $SECONDS s"
   tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in"
