@@ -17,16 +17,18 @@ completed as many keys as torch._dynamo recompiles a function at most (``recompi
 by then each compiled function has gone shape-dynamic or stopped compiling. A call that raised
 does not count as completed.
 
-The gate sees only the calls made through it. A compile it does not see (evaluate's decode at a
-checkpoint, a library's own torch.compile) sets the same flag, and a gated call in flight would be
-refused again. So a process that makes compiled calls through the gate has dynamo run a compiled
-function's plain Python code while another thread traces (``error_on_nested_fx_trace`` off): that
-call runs eager, slower and with the same result up to rounding, and the run goes on.
+The gate sees only the calls made through it. A compile it does not see (evaluate's work at a
+checkpoint beside training, a library's own torch.compile) sets the same flag. So a gated call
+waits to start while any thread traces, and one already running when a trace begins has dynamo
+run each compiled function it enters meanwhile as plain Python (``error_on_nested_fx_trace`` off,
+for the process): slower, and the same result up to rounding. Running the call again instead would
+be wrong where the refusal came in its backward, half of whose gradients were already added.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
@@ -36,14 +38,6 @@ def _recompile_limit() -> int:
     import torch._dynamo.config as config
 
     return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
-
-
-def _tolerate_foreign_traces() -> None:
-    """A compiled call made while another thread traces runs eager instead of raising (torch's
-    check reads one process-wide flag, not the calling thread's)."""
-    import torch._dynamo.config as config
-
-    config.error_on_nested_fx_trace = False
 
 
 class CompileGate:
@@ -66,7 +60,8 @@ class CompileGate:
         if not compiled:
             yield
             return
-        _tolerate_foreign_traces()
+        _tolerate_traces()
+        _wait_for_traces()
         cold = not self.is_warm(party, key)
         with self._cond:
             if cold:
@@ -85,6 +80,25 @@ class CompileGate:
                     self._in_flight -= 1
                 self._cond.notify_all()
         self._done.setdefault(party, set()).add(key)
+
+
+def _tracing() -> bool:
+    """Whether some thread of the process is FX tracing now (torch keeps one flag for all)."""
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+    return is_fx_symbolic_tracing()
+
+
+def _wait_for_traces(poll_s: float = 0.01) -> None:
+    while _tracing():
+        time.sleep(poll_s)
+
+
+def _tolerate_traces() -> None:
+    """A compiled function entered while another thread traces runs as plain Python, not refused."""
+    import torch._dynamo.config as config
+
+    config.error_on_nested_fx_trace = False
 
 
 GATE = CompileGate()

@@ -89,9 +89,9 @@ def test_compiled_call_waits_for_a_call_that_may_compile(torch_default_check):
     assert gate.is_warm("train", 8192)
 
 
-def test_a_trace_the_gate_does_not_see_costs_a_warm_call_its_compiled_code_not_the_run(torch_default_check):
-    """A compile outside the gate (evaluate's decode beside training, say) while a stage's warm call
-    runs: the call runs its plain code, during the trace, and returns what the compiled code would."""
+def test_a_call_waits_for_a_trace_the_gate_does_not_see(torch_default_check):
+    """A compile outside the gate (evaluate's work beside training, say): a warm call starts once it
+    is done."""
     f = torch.compile(lambda x: x * 2 + 1, backend="eager")
     x = torch.ones(3)
     gate = CompileGate()
@@ -100,10 +100,29 @@ def test_a_trace_the_gate_does_not_see_costs_a_warm_call_its_compiled_code_not_t
     events: list = []
     inside, release = threading.Event(), threading.Event()
     tracer = _traced_while(events, inside, release)  # no gate: it waits for nobody
-    _call(lambda: events.append(f(x).tolist()), events, gate).join(30)
+    caller = _call(lambda: events.append(f(x).tolist()), events, gate)
+    time.sleep(0.2)  # the caller's chance to start early (it must not)
     release.set()
     tracer.join(30)
-    assert events == [[3.0, 3.0, 3.0], "called", "traced"]
+    caller.join(30)
+    assert events == ["traced", [3.0, 3.0, 3.0], "called"]
+
+
+def test_a_call_running_when_a_trace_begins_runs_its_compiled_functions_plainly(torch_default_check):
+    """Refusing it would fail the run, and running it again could add a backward's gradients twice."""
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    x = torch.ones(3)
+    gate = CompileGate()
+    with gate.call("train", 8192):
+        f(x)
+    events: list = []
+    inside, release = threading.Event(), threading.Event()
+    with gate.call("train", 8192):  # warm, in flight
+        tracer = _traced_while(events, inside, release)  # begins while the call runs
+        events.append(f(x).tolist())
+    release.set()
+    tracer.join(30)
+    assert events == [[3.0, 3.0, 3.0], "traced"]
 
 
 def test_warm_calls_run_side_by_side_and_a_failed_cold_call_stays_cold():
