@@ -24,6 +24,18 @@ cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and df
   echo "rc $? wall $SECONDS s"
   tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in"
   tail -n 12 runs/$run.log
+  python3 - runs/$run/metrics.jsonl <<'PY'
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "elapsed_s" in r]
+at = {r["step"]: r for r in rows}
+last = rows[-1]["step"]
+for a, b in ((40, 400), (400, 2000), (2000, last)):
+    if a in at and b in at and b > a:
+        span = [r for r in rows if a < r["step"] <= b]
+        wait = sum(r.get("row_wait_share", float("nan")) for r in span) / len(span)
+        print(f"steps {a}-{b}: {(at[b]['elapsed_s'] - at[a]['elapsed_s']) / (b - a) * 1e3:.1f} ms a step, "
+              f"row_wait_share {wait:.2f}")
+PY
 }
 cold quality_gpu
 cold quality_gpu_plain --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
