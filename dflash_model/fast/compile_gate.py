@@ -22,7 +22,7 @@ checkpoint beside training, a library's own torch.compile) sets the same flag. S
 waits to start while any thread traces, and one already running when a trace begins has dynamo
 run each compiled function it enters meanwhile as plain Python (``error_on_nested_fx_trace`` off,
 for the process): slower, and the same result up to rounding. Running the call again instead would
-be wrong where the refusal came in its backward, half of whose gradients were already added.
+be wrong where the refusal came in its backward, after some of its gradients were added.
 """
 
 from __future__ import annotations
