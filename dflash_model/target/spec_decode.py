@@ -27,7 +27,7 @@ lives there) during the very forward that prefills or verifies, so a dense targe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -365,11 +365,39 @@ def cycles_on_text(anchor_tau: Mapping[int, float], start: int, end: int, block_
 
 
 @torch.no_grad()
+def packed_features(target: nn.Module, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                    row_tokens: int = 8192) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index, features [T_i, k*H]) of each sequence, in order, from target forwards over rows of
+    consecutive sequences packed as documents (at most ``row_tokens`` tokens a row, unless one
+    sequence is longer): each document sees itself only, from position 0, so its features are those
+    of a forward of it alone up to rounding. Why: one forward per sequence is dozens of small
+    forwards, bound by the host on a GPU."""
+    capture = FeatureCapture(target, layer_ids)
+    row: list[int] = []
+
+    def forward(indices: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        lengths = [len(sequences[i]) for i in indices]
+        feats, _ = capture.capture_row({"input_ids": [t for i in indices for t in sequences[i]],
+                                        "position_ids": [p for n in lengths for p in range(n)],
+                                        "doc_lengths": lengths})
+        yield from zip(indices, feats.split(lengths))
+
+    for i, seq in enumerate(sequences):
+        if row and sum(len(sequences[j]) for j in row) + len(seq) > row_tokens:
+            yield from forward(row)
+            row = []
+        row.append(i)
+    if row:
+        yield from forward(row)
+
+
 def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequence[int],
                        completion: Sequence[int], embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                       layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                       layer_ids: Sequence[int] | None = None, features: torch.Tensor | None = None
+                       ) -> dict[str, Any]:
     """τ_sim of the drafter on [prompt + completion] the training way: target features from
-    ``FeatureCapture.capture`` (no cache), anchors = every candidate in the completion,
+    ``FeatureCapture.capture`` (no cache; or ``features`` of that text, made by
+    :func:`packed_features`), anchors = every candidate in the completion,
     ``drafter_loss`` with loss_mask = completion tokens. Only anchors whose whole block lies inside
     the completion count (``full_blocks``; like the served τ, which counts only cycles with a whole
     block of draft budget), so the end of a short completion does not bias τ_sim down.
@@ -391,8 +419,9 @@ def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequen
     if anchors.numel() == 0:
         return {"tau_sim": float("nan"), "tau_serve": float("nan"), "loss": float("nan"), "acc": float("nan"),
                 "n_blocks": 0, "anchor_tau": {}}
-    features = FeatureCapture(target, layer_ids if layer_ids is not None else drafter.config.target_layer_ids
-                              ).capture(ids[None])[0][0]
+    if features is None:
+        features = FeatureCapture(target, layer_ids if layer_ids is not None else drafter.config.target_layer_ids
+                                  ).capture(ids[None])[0][0]
     dtype = next(drafter.parameters()).dtype
     batch = FeatureBatch(features.to(dtype), ids, loss_mask, torch.arange(T, device=dev), [T])
     out = drafter_loss(drafter, batch, anchors, embed_weight, lm_head_weight, attn_backend="sdpa")

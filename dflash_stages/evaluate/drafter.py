@@ -359,13 +359,23 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     of the greedy reference itself would make (:func:`cycles_on_text`). Evaluations that share one
     reference (``reference_dir``) score their drafters on one text, prompt by prompt; each decoding
     its own may not (bf16 near ties)."""
-    from dflash_model.target.spec_decode import cycles_on_text, served_tau, teacher_forced_tau
+    from dflash_model.target.spec_decode import cycles_on_text, packed_features, served_tau, teacher_forced_tau
+
+    texts = []  # each prompt's served text, then its reference where that differs
+    for prompt, res, ref in zip(prompts, results, refs):
+        texts.append(list(prompt) + list(res.tokens))
+        if list(res.tokens) != list(ref):
+            texts.append(list(prompt) + list(ref))
+    made = packed_features(target, texts, layer_ids)  # one packed row of texts at a time, in order
+
+    def tau_on(prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
+        _, features = next(made)
+        return teacher_forced_tau(drafter, target, prompt, completion, embed, head, layer_ids, features)
 
     at, every, on_ref = [], [], []
     for row, prompt, res, ref in zip(per_prompt, prompts, results, refs):
-        sim_all = teacher_forced_tau(drafter, target, prompt, res.tokens, embed, head, layer_ids)
-        sim_ref = (sim_all if list(res.tokens) == list(ref)
-                   else teacher_forced_tau(drafter, target, prompt, ref, embed, head, layer_ids))
+        sim_all = tau_on(prompt, res.tokens)
+        sim_ref = sim_all if list(res.tokens) == list(ref) else tau_on(prompt, ref)
         cycles = cycles_on_text(sim_ref["anchor_tau"], len(prompt), len(prompt) + max_new_tokens, drafter.block_size)
         row["tau_ref"] = served_tau(cycles)
         on_ref.extend(cycles)

@@ -461,6 +461,20 @@ def test_tau_ref_is_the_served_tau_where_the_output_is_the_reference(target, pro
     assert rep["tau_ref"] == pytest.approx(rep["tau"], abs=1e-9)
 
 
+@pytest.mark.parametrize("row_tokens", [1, 20, 10_000])
+def test_packed_features_are_each_texts_own(target, prompts, row_tokens):
+    """evaluate's τ_sim takes its texts' features from forwards over several texts at once (one a
+    row, a few, or all): each text's are those of a forward of it alone."""
+    from dflash_model.target.spec_decode import packed_features
+
+    texts = [p + greedy_decode(target, p, 6) for p in prompts] + [prompts[0]]
+    got = list(packed_features(target, texts, [0, 1], row_tokens=row_tokens))
+    assert [i for i, _ in got] == list(range(len(texts)))
+    for (_, feats), text in zip(got, texts):
+        alone = FeatureCapture(target, [0, 1]).capture(torch.tensor(text)[None])[0][0]
+        assert feats.shape == alone.shape and torch.allclose(feats, alone, atol=1e-5, rtol=1e-5)
+
+
 def test_tau_ref_is_measured_on_the_reference_not_on_the_served_output(target, prompts, monkeypatch):
     """Where the served output leaves the reference (here the reference is altered at its third
     token), τ_sim follows the served text and τ_ref the reference: the walk over the reference's own
