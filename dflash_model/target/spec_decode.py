@@ -366,12 +366,16 @@ def cycles_on_text(anchor_tau: Mapping[int, float], start: int, end: int, block_
 
 @torch.no_grad()
 def packed_features(target: nn.Module, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int],
-                    row_tokens: int = 8192) -> Iterator[tuple[int, torch.Tensor]]:
+                    row_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(index, features [T_i, k*H]) of each sequence, in order, from target forwards over rows of
     consecutive sequences packed as documents (at most ``row_tokens`` tokens a row, unless one
     sequence is longer): each document sees itself only, from position 0, so its features are those
     of a forward of it alone up to rounding. Why: one forward per sequence is dozens of small
-    forwards, bound by the host on a GPU."""
+    forwards, bound by the host on a GPU. ``row_tokens`` None: 8,192 on CUDA, one sequence a row
+    elsewhere (on a CPU a row's masked attention over every pair of its tokens costs more than the
+    forwards it saves)."""
+    if row_tokens is None:
+        row_tokens = 8192 if next(target.parameters()).is_cuda else 0
     capture = FeatureCapture(target, layer_ids)
     row: list[int] = []
 

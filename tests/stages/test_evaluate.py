@@ -475,6 +475,37 @@ def test_packed_features_are_each_texts_own(target, prompts, row_tokens):
         assert feats.shape == alone.shape and torch.allclose(feats, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_evaluate_reports_the_same_with_its_texts_packed_as_on_a_gpu(target, prompts, monkeypatch):
+    """On CUDA evaluate packs its texts into rows for τ_sim and τ_ref (here forced on the CPU): the
+    report's figures are those of one text a forward, prompt by prompt."""
+    import functools
+
+    from dflash_model.target import spec_decode
+    from dflash_stages.evaluate import runs as eval_runs
+    from dflash_stages.evaluate.drafter import evaluate_drafter
+
+    refs = [greedy_decode(target, p, 24) for p in prompts]
+    drafter = _memorizing_drafter(target, prompts, [r[:12] for r in refs])
+    real = eval_runs.reference_decode
+
+    def altered(*args, **kwargs):  # a reference the served text leaves at its third token: two texts a prompt
+        outs, seconds = real(*args, **kwargs)
+        return [o[:2] + [(o[2] + 1) % 100] + o[3:] for o in outs], seconds
+
+    monkeypatch.setattr(eval_runs, "reference_decode", altered)
+    keys = ("tau_sim", "tau_sim_all", "tau_ref", "sim_loss")
+    alone = evaluate_drafter(target, drafter, prompts, max_new_tokens=24, baseline=False, batch_size=2,
+                             tie_tolerance=0.0)
+    monkeypatch.setattr(spec_decode, "packed_features",
+                        functools.partial(spec_decode.packed_features, row_tokens=10_000))
+    packed = evaluate_drafter(target, drafter, prompts, max_new_tokens=24, baseline=False, batch_size=2,
+                              tie_tolerance=0.0)
+    for a, b in zip(alone["per_prompt"], packed["per_prompt"]):
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], abs=1e-5, nan_ok=True)
+    assert [packed[k] for k in keys] == pytest.approx([alone[k] for k in keys], abs=1e-5, nan_ok=True)
+    assert alone["tau_ref"] != pytest.approx(alone["tau_sim"], abs=1e-3)  # the reference was a text of its own
+
+
 def test_tau_ref_is_measured_on_the_reference_not_on_the_served_output(target, prompts, monkeypatch):
     """Where the served output leaves the reference (here the reference is altered at its third
     token), τ_sim follows the served text and τ_ref the reference: the walk over the reference's own
