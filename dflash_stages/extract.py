@@ -104,14 +104,20 @@ class HFHooksExtract(Stage):
         if length and warm_up_wanted(cfg.warm_up, gated):
             ctx.summary["warm_up_s"] = warm_up(forward, int(length), header, ctx)
         rows = tokens = 0
+        busy = 0.0  # seconds in the forwards, which end when their stream is done
         for row in checked(inputs["rows"], PACKED_ROW, ctx.stage, ctx.upstream("rows")):
+            t0 = time.perf_counter()
             feats, last = forward(row)
+            busy += time.perf_counter() - t0
             T = feats.shape[0]
             rows += 1
             tokens += T
             ctx.progress(1, unit="rows", tokens=T)
             yield feature_row(row, feats, last)
-        ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device))
+        # a row's forward against the job's time a row says whether the target's forward or a wait
+        # (for pack's rows, for train to take the features) sets the pace
+        ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device),
+                           forward_ms=round(busy / max(rows, 1) * 1e3, 2))
 
 
 def warm_up(forward: Callable[[Mapping[str, Any]], Any], length: int, header: Mapping[str, Any],

@@ -193,6 +193,28 @@ def test_compiled_extracts_warm_up_compiles_the_one_graph_its_rows_take(
     assert dict(counters["stats"]) == at_first_row[0]  # the rows (two documents, not three) took the warm-up's
 
 
+def test_extract_reports_a_rows_forward_time(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                            monkeypatch) -> None:
+    """``forward_ms``: the mean time of a row's forward, apart from the waits around it."""
+    from dflash_model.target.capture import FeatureCapture
+
+    real = FeatureCapture.capture_row
+
+    def slow(self, row):  # a forward of at least 50 ms
+        time.sleep(0.05)
+        return real(self, row)
+
+    def late_rows() -> Iterable[dict]:  # pack's rows come late: not counted
+        for row in rows_of_40():
+            time.sleep(0.5)
+            yield row
+
+    monkeypatch.setattr(FeatureCapture, "capture_row", slow)
+    target = tiny_target(tmp_path_factory.getbasetemp(), initializer_range=0.1)
+    items, summary, _ = extract_items(target, late_rows(), tmp_path, monkeypatch, {}, "off")
+    assert summary["rows"] == len(rows_of_40()) and 50 <= summary["forward_ms"] < 450
+
+
 def test_the_trainer_says_when_its_first_row_came_and_its_first_step_was_done(tmp_path: Path) -> None:
     """Counted from the stage's start (the trainer's making), not from the loop's."""
     cfg = TrainConfig(num_layers=1, block_size=4, num_anchors=8, lr=1e-2)
