@@ -118,6 +118,7 @@ class HFHooksExtract(Stage):
         # (for pack's rows, for train to take the features) sets the pace
         ctx.summary.update(rows=rows, tokens=tokens, layers=ids, peak_gib=peak_gib(device),
                            forward_ms=round(busy / max(rows, 1) * 1e3, 2))
+        ctx.logger.info("extract: %d rows, a row's forward %.1f ms", rows, ctx.summary["forward_ms"])
 
 
 def warm_up(forward: Callable[[Mapping[str, Any]], Any], length: int, header: Mapping[str, Any],

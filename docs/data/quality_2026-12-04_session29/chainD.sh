@@ -22,7 +22,7 @@ cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and df
   python3 -m dflash_core.cli.main run --traceback "${PIPE:-pipelines/quality_gpu.yaml}" --set run_dir=runs/$run \
       --set stages.train.params.compile_cache=runs/$run.compile "$@" >runs/$run.log 2>&1
   echo "rc $? wall $SECONDS s"
-  tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in"
+  tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in\|a row's forward"
   tail -n 12 runs/$run.log
   python3 - runs/$run/metrics.jsonl <<'PY'
 import json, sys
