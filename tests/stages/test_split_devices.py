@@ -179,8 +179,10 @@ def test_extract_in_its_own_process_trains_the_same_drafter(tmp_path: Path, targ
         assert x["features"]["shape"] == [TOKENS, len(LAYERS) * H], (i, x)
         assert x == y, f"row {i} differs after crossing the process boundary: {x} vs {y}"
 
-    # the extract stage really ran elsewhere in the process layout; both counted the same
-    assert threads["extract"].summary == procs["extract"].summary
+    # the extract stage really ran elsewhere in the process layout; both counted the same (the
+    # forwards' time apart)
+    counted = [{k: v for k, v in r["extract"].summary.items() if k != "forward_ms"} for r in (threads, procs)]
+    assert counted[0] == counted[1] and procs["extract"].summary["forward_ms"] > 0
     assert procs["extract"].summary["rows"] == ROWS
     assert procs["extract"].summary["tokens"] == ROWS * TOKENS
 
