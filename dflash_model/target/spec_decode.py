@@ -378,6 +378,7 @@ def packed_features(target: nn.Module, sequences: Sequence[Sequence[int]], layer
         row_tokens = 8192 if next(target.parameters()).is_cuda else 0
     capture = FeatureCapture(target, layer_ids)
     row: list[int] = []
+    filled = 0  # tokens in ``row``
 
     def forward(indices: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
         lengths = [len(sequences[i]) for i in indices]
@@ -387,10 +388,11 @@ def packed_features(target: nn.Module, sequences: Sequence[Sequence[int]], layer
         yield from zip(indices, feats.split(lengths))
 
     for i, seq in enumerate(sequences):
-        if row and sum(len(sequences[j]) for j in row) + len(seq) > row_tokens:
+        if row and filled + len(seq) > row_tokens:
             yield from forward(row)
-            row = []
+            row, filled = [], 0
         row.append(i)
+        filled += len(seq)
     if row:
         yield from forward(row)
 

@@ -361,11 +361,10 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     its own may not (bf16 near ties)."""
     from dflash_model.target.spec_decode import cycles_on_text, packed_features, served_tau, teacher_forced_tau
 
+    own_ref = [list(res.tokens) != list(ref) for res, ref in zip(results, refs)]  # a text of its own
     texts = []  # each prompt's served text, then its reference where that differs
-    for prompt, res, ref in zip(prompts, results, refs):
-        texts.append(list(prompt) + list(res.tokens))
-        if list(res.tokens) != list(ref):
-            texts.append(list(prompt) + list(ref))
+    for prompt, res, ref, own in zip(prompts, results, refs, own_ref):
+        texts += [list(prompt) + list(res.tokens)] + ([list(prompt) + list(ref)] if own else [])
     made = packed_features(target, texts, layer_ids)  # one packed row of texts at a time, in order
 
     def tau_on(prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
@@ -373,9 +372,9 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
         return teacher_forced_tau(drafter, target, prompt, completion, embed, head, layer_ids, features)
 
     at, every, on_ref = [], [], []
-    for row, prompt, res, ref in zip(per_prompt, prompts, results, refs):
+    for row, prompt, res, ref, own in zip(per_prompt, prompts, results, refs, own_ref):
         sim_all = tau_on(prompt, res.tokens)
-        sim_ref = sim_all if list(res.tokens) == list(ref) else tau_on(prompt, ref)
+        sim_ref = tau_on(prompt, ref) if own else sim_all
         cycles = cycles_on_text(sim_ref["anchor_tau"], len(prompt), len(prompt) + max_new_tokens, drafter.block_size)
         row["tau_ref"] = served_tau(cycles)
         on_ref.extend(cycles)
