@@ -14,14 +14,29 @@ CHAIN=D
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv,noheader -l 2 \
     >runs/gpu.csv 2>/dev/null &
 SMI=$!
-cold() {  # $1: run folder; the rest: --set words. Fresh Inductor, Triton and dflash-pipe compile caches.
-  local run=$1; shift
+spy() {  # $1: run folder, then seconds into the run. Where the job's threads spend the wall clock:
+  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process for 20 s at each time
+  local run=$1 start t; shift
+  start=$(date +%s)
+  for t in "$@"; do
+    sleep $((start + t - $(date +%s)))
+    pid=$(pgrep -o -f "dflash_core.cli.main run") || return
+    timeout 40 .site/bin/py-spy record --nonblocking --idle --threads -r 50 -d 20 -p "$pid" -f raw \
+        -o runs/$run.spy$t.txt >runs/$run.spy$t.log 2>&1
+  done
+}
+cold() {  # $1: run folder; $2: when py-spy samples it (seconds, comma-separated); the rest: --set words.
+  # Fresh Inductor, Triton and dflash-pipe compile caches.
+  local run=$1 when=$2; shift 2
   echo "== $run $(date +%T)"
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/$run.inductor TRITON_CACHE_DIR=$PWD/runs/$run.triton
   SECONDS=0
+  spy $run ${when//,/ } &
+  local spying=$!
   python3 -m dflash_core.cli.main run --traceback "${PIPE:-pipelines/quality_gpu.yaml}" --set run_dir=runs/$run \
       --set stages.train.params.compile_cache=runs/$run.compile "$@" >runs/$run.log 2>&1
   echo "rc $? wall $SECONDS s"
+  kill $spying 2>/dev/null; pkill -f py-spy
   tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in\|a row's forward"
   tail -n 12 runs/$run.log
   python3 - runs/$run/metrics.jsonl <<'PY'
@@ -37,8 +52,10 @@ for a, b in ((40, 400), (400, 2000), (2000, last)):
               f"row_wait_share {wait:.2f}")
 PY
 }
-cold quality_gpu
-cold quality_gpu_plain --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
+# as session 31 ran: steps from 157 s, the early baseline beside them to ~340 s (steps 400-2,000)
+cold quality_gpu 200,370
+# steps from ~200 s (57 s of compiling at the first row), at ~55 ms as in session 27
+cold quality_gpu_plain 260,350 --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
     --set stages.evaluate.params.early_baseline=false --set stages.generate.executor=thread
 kill $SMI
 echo "== end $(date +%T)"

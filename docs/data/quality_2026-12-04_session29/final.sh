@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 if [ ! -f runs/chain$1.done ]; then
   pkill -INT -f "dflash_core.cli.main"; sleep 20; pkill -f "chain$1.sh"; pkill -f quality_sweep.py; pkill -f "dflash_core.cli.main"; sleep 3
 fi
-find runs -maxdepth 1 -type f \( -name '*.log' -o -name '*.done' -o -name '*.csv' \) >/tmp/list
+find runs -maxdepth 1 -type f \( -name '*.log' -o -name '*.done' -o -name '*.csv' -o -name '*.spy*.txt' \) >/tmp/list
 find runs -name 'failures*.log' -size -4M >>/tmp/list  # a failed run's tracebacks
 find runs/step_profile -type f -name '*.txt' 2>/dev/null >>/tmp/list
 find runs/data_curve runs/quality_gpu runs/quality_gpu_thread runs/quality_gpu_unseen runs/x10_unseen runs/quality_gpu_plain -type f -size -4M \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' -o -name '*.txt' -o -name '*.png' \) \
