@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_model.fast.compile_gate import compiled
 from dflash_model.target.fp8 import FP8, scale_of, to_fp8
 
 GRAD8 = torch.float8_e5m2  # the gradient operand: its range keeps the small probabilities (see FP8LMHead)
@@ -40,7 +41,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tens
 
 @functools.cache
 def _compiled_quantize_rows(dynamic: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(quantize_rows, dynamic=dynamic)
+    return compiled(quantize_rows, dynamic=dynamic)
 
 
 def quantize_operand(x: torch.Tensor, dtype: torch.dtype, dynamic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

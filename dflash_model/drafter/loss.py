@@ -22,6 +22,7 @@ from dflash_model.drafter.anchors import (block_labels, build_blocks, pad_anchor
 from dflash_model.drafter.batch import FeatureBatch
 from dflash_model.drafter.config import default_gamma
 from dflash_model.drafter.fp8_head import LMHead, head_back, head_logits
+from dflash_model.fast.compile_gate import compiled
 from dflash_model.fast.settings import triton_installed
 
 TARGETS = ("data", "target_argmax", "kl")
@@ -58,7 +59,7 @@ def _soft_chunk(h: torch.Tensor, weight: LMHead, coef: torch.Tensor, soft_h: tor
 @functools.lru_cache(maxsize=None)
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One compiled copy per chunk function and process (fixed chunk shapes: one graph each)."""
-    return torch.compile(fn, dynamic=False)
+    return compiled(fn, dynamic=False)
 
 
 def chunk_fn(fn: Callable[..., Any], device: torch.device, compile: bool) -> Callable[..., Any]:

@@ -22,6 +22,7 @@ exported tensor names.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from dflash_model.drafter.fp8_head import fits_fp8
 from dflash_model.drafter.fp8_linear import fp8_linear
 from dflash_model.drafter.mask import TILE, BlockLayout
 from dflash_model.drafter.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from dflash_model.fast.compile_gate import compiled
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -202,11 +204,11 @@ class DFlashDrafter(nn.Module):
         rows (the last layer's runs on fewer, see ``forward``). The two norms outside the layers
         (context, output) are compiled too: eager, their float32 passes and backward are separate
         kernels over every row."""
-        self._attend = torch.compile(_attend, **options)
+        self._attend = compiled(_attend, **options)
         any_rows = {**options, "options": {**_any_rows_inductor_options(), **options.get("options", {})}}
-        self._feed_forward = torch.compile(_feed_forward, **any_rows)
+        self._feed_forward = compiled(_feed_forward, **any_rows)
         for norm in (self.hidden_norm, self.norm):  # context rows, output rows
-            norm.compile(**any_rows)
+            norm.forward = types.MethodType(compiled(type(norm).forward, **any_rows), norm)
 
     def use_fp8_mlp(self) -> None:
         """Train the draft layers' MLPs through FP8 products (``MLP``); call before

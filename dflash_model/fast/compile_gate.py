@@ -19,18 +19,28 @@ does not count as completed.
 
 The gate sees only the calls made through it. A compile it does not see (evaluate's work at a
 checkpoint beside training, a library's own torch.compile) sets the same flag. So a gated call
-waits to start while any thread traces, and one already running when a trace begins has dynamo
-run each compiled function it enters meanwhile as plain Python (``error_on_nested_fx_trace`` off,
-for the process): slower, and the same result up to rounding. Running the call again instead would
+waits to start while any thread traces, and so does each entry into a function compiled through
+:func:`compiled` (all of ours are): a call already running when a trace begins pauses at its next
+compiled function until the trace is over. Run as plain Python instead, as torch would, such a
+function could cost far more than its compiled graph: flex attention falls back to a dense matrix
+of every query's score against every key (tens of GB at a drafter step's shape), an FP8 quantizer
+to float32 copies of its operand. A thread never waits for a trace of its own (its stack runs inside it). For the moment
+between that check and the function's own, dynamo runs what it enters as plain Python rather than
+refusing (``error_on_nested_fx_trace`` off, for the process): running the call again instead would
 be wrong where the refusal came in its backward, after some of its gradients were added.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _recompile_limit() -> int:
@@ -89,9 +99,38 @@ def _tracing() -> bool:
     return is_fx_symbolic_tracing()
 
 
+def _tracing_here() -> bool:
+    """Whether this thread's own stack is inside an FX trace: waiting for it would never end."""
+    from torch.fx._symbolic_trace import Tracer
+
+    code = Tracer.trace.__code__  # the only place torch sets the flag
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _wait_for_traces(poll_s: float = 0.01) -> None:
-    while _tracing():
+    while _tracing() and not _tracing_here():
         time.sleep(poll_s)
+
+
+def compiled(fn: F, **options: Any) -> F:
+    """``torch.compile(fn, **options)``, entered only while no other thread traces (module
+    docstring). Inside a compiled region, where dynamo inlines it, it is the compiled function."""
+    import torch
+
+    inner = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            _wait_for_traces()
+        return inner(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def _tolerate_traces() -> None:

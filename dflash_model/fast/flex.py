@@ -150,4 +150,6 @@ def flex_attention_fn(compiled: bool) -> Any:
     on CUDA), else the plain function (eager on CPU; traced in place inside a compiled region)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if compiled else flex_attention
+    from dflash_model.fast.compile_gate import compiled as compile_fn
+
+    return compile_fn(flex_attention) if compiled else flex_attention

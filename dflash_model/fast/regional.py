@@ -11,8 +11,9 @@ from __future__ import annotations
 import types
 from collections.abc import Sequence
 
-import torch
 from torch import nn
+
+from dflash_model.fast.compile_gate import compiled as compile_fn
 
 
 def compile_blocks(layers: Sequence[nn.Module], dynamic: bool = False) -> None:
@@ -24,6 +25,6 @@ def compile_blocks(layers: Sequence[nn.Module], dynamic: bool = False) -> None:
     KV cache) would recompile; ``True`` compiles one graph for every shape. (``None``, dynamic once
     a shape changed, would not help a block called inside a ``dynamic=False`` graph: that setting
     holds for everything the outer call runs.)"""
-    compiled = torch.compile(type(layers[0]).forward, dynamic=dynamic)
+    compiled = compile_fn(type(layers[0]).forward, dynamic=dynamic)
     for layer in layers:
         layer.forward = types.MethodType(compiled, layer)

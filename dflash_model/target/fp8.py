@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dflash_model.fast.compile_gate import compiled
 from dflash_model.fast.settings import triton_installed
 from dflash_model.target.compat import NO_HUB_KERNELS
 
@@ -156,7 +157,7 @@ def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _compiled_quantize() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(_quantize_columns, dynamic=True)
+    return compiled(_quantize_columns, dynamic=True)
 
 
 def _quantize_for_product(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

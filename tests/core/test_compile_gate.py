@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo.config as dynamo_config
 
-from dflash_model.fast.compile_gate import CompileGate
+from dflash_model.fast.compile_gate import CompileGate, compiled
 
 
 def _traced_while(events: list[str], inside: threading.Event, release: threading.Event, gate=None):
@@ -177,3 +177,63 @@ def test_uncompiled_calls_pass_through_a_cold_call():
         assert done.wait(10)
     t.join(10)
     assert not gate.is_warm("extract", 100)
+
+
+def _counting_backend(runs: list[int]):
+    """A torch.compile backend whose graphs note each run: a compiled function run as plain
+    Python (dynamo's fallback during another thread's trace) leaves no note."""
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm(*args)
+        return run
+    return backend
+
+
+def test_a_compiled_function_entered_during_a_trace_waits_for_it_and_runs_compiled():
+    """A call in flight when another thread begins a trace pauses at its next compiled function
+    until the trace is over: plain Python there could be a dense attention matrix."""
+    runs: list[int] = []
+    g = compiled(lambda x: x * 3, backend=_counting_backend(runs))
+    x = torch.ones(2)
+    gate = CompileGate()
+    with gate.call("train", 8192):
+        assert g(x).tolist() == [3.0, 3.0]
+    assert runs == [1]
+    events: list = []
+    inside, release = threading.Event(), threading.Event()
+
+    def in_flight() -> None:
+        with gate.call("train", 8192):  # warm: started before the trace
+            started.set()
+            assert inside.wait(30)
+            events.append(g(x).tolist())
+
+    started = threading.Event()
+    caller = threading.Thread(target=in_flight)
+    caller.start()
+    assert started.wait(30)
+    tracer = _traced_while(events, inside, release)
+    time.sleep(0.2)  # the caller's chance to enter g during the trace (it must wait)
+    assert events == []
+    release.set()
+    tracer.join(30)
+    caller.join(30)
+    assert events == ["traced", [3.0, 3.0]]
+    assert runs == [1, 1]  # the compiled graph ran, not the plain function
+
+
+def test_a_compiled_function_in_its_own_threads_trace_does_not_wait():
+    """Symbolic tracing through one of our compiled functions: the flag is this thread's own."""
+    g = compiled(lambda x: x * 3, backend="eager")
+    done: list = []
+
+    def trace() -> None:
+        with dynamo_config.patch(error_on_nested_fx_trace=False):
+            done.append(torch.fx.symbolic_trace(lambda x: g(x) + 1))
+
+    t = threading.Thread(target=trace)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and len(done) == 1
+    assert done[0](torch.ones(2)).tolist() == [4.0, 4.0]
