@@ -28,7 +28,8 @@ from torch import nn
 
 from dflash_model.target import spec_cache, spec_decode
 from dflash_model.target.capture import FeatureCapture
-from dflash_model.target.spec_decode import DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache
+from dflash_model.target.spec_decode import (DecodeResult, Drafter, DraftRequest, eos_set, forward_kwargs, new_cache,
+                                             timed)
 
 BatchDrafter = Callable[[list[DraftRequest]], list[Sequence[int]]]
 
@@ -148,9 +149,10 @@ def _accept(row: _Row, req: DraftRequest, drafts: list[int], target: list[int], 
 def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]], drafter: BatchDrafter,
                              block_size: int, max_new_tokens: int, layer_ids: Sequence[int] | None = None,
                              eos_token_id: int | Iterable[int] | None = None, pad_id: int = 0,
-                             capture: FeatureCapture | None = None) -> list[DecodeResult]:
+                             capture: FeatureCapture | None = None,
+                             clock: dict[str, float] | None = None) -> list[DecodeResult]:
     """:func:`dflash_model.target.spec_decode.speculative_decode` of every prompt, one target forward per
-    cycle for all of them; same results (each row is its prompt's greedy decode)."""
+    cycle for all of them; same results (each row is its prompt's greedy decode). ``clock``: as there."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt")
     if not supports_batch(model):
@@ -166,11 +168,13 @@ def speculative_decode_batch(model: nn.Module, prompts: Sequence[Sequence[int]],
                    if len(row.result.tokens) < max_new_tokens and row.result.tokens[-1] not in eos]:
         reqs = [spec_decode.draft_request(rows[r].tokens, rows[r].feats, len(rows[r].result.tokens), block_size,
                                           max_new_tokens, dev) for r in live]
-        drafts = _draft(drafter, reqs)
+        with timed(clock, "draft"):
+            drafts = _draft(drafter, reqs)
         block, pos, new_valid = _block(len(rows), live, reqs, drafts, pad_id, dev)
         valid = torch.cat([valid, new_valid], 1)
-        logits, feats = _forward(model, block, pos, valid, cache, capture)
-        target = logits.argmax(-1).tolist()
+        with timed(clock, "verify"):
+            logits, feats = _forward(model, block, pos, valid, cache, capture)
+            target = logits.argmax(-1).tolist()
         for r, q, d in zip(live, reqs, drafts):
             n = _accept(rows[r], q, d, target[r], feats[r] if feats is not None else None, eos)
             valid[r, valid.shape[1] - block.shape[1] + n + 1:] = False  # the rejected drafts: never seen again

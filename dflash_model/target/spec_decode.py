@@ -26,6 +26,8 @@ lives there) during the very forward that prefills or verifies, so a dense targe
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -194,15 +196,31 @@ def greedy_decode(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
 
 
 @torch.no_grad()
+@contextmanager
+def timed(clock: dict[str, float] | None, phase: str) -> Iterator[None]:
+    """Adds the block's wall seconds to ``clock[phase]`` (nothing without a clock). Each phase of
+    the loops ends by reading its result on the host (the drafts, the target's argmax), so the
+    seconds include the GPU's work for it."""
+    if clock is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        clock[phase] = clock.get(phase, 0.0) + time.perf_counter() - t0
+
+
 def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Drafter, block_size: int,
                        max_new_tokens: int, layer_ids: Sequence[int] | None = None,
                        eos_token_id: int | Iterable[int] | None = None,
-                       capture: FeatureCapture | None = None) -> DecodeResult:
+                       capture: FeatureCapture | None = None, clock: dict[str, float] | None = None) -> DecodeResult:
     """Greedy speculative decoding of one prompt (batch 1) with blocks of ``block_size``.
 
     ``layer_ids``: target layers whose features the drafter reads (``DraftRequest.features``);
     None: no hooks (drafters that need no features, e.g. n-gram). Always produces the target's
-    greedy decode; acceptance statistics are in the result.
+    greedy decode; acceptance statistics are in the result. ``clock`` gathers the seconds spent
+    drafting (``draft``) and verifying (``verify``: the target's forwards) across calls.
     """
     if len(prompt_ids) == 0:
         raise ValueError("empty prompt")
@@ -221,17 +239,19 @@ def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Dra
     while len(res.tokens) < max_new_tokens and last not in eos:
         req = draft_request(tokens, ctx_feats, len(res.tokens), block_size, max_new_tokens, dev)
         n_ctx, want = req.last_position, req.max_tokens
-        drafts = [int(t) for t in list(drafter(req))[:want]] if want > 0 else []
-        saved = spec_cache.snapshot(linear)
-        logits, feats = _forward(model, [last] + drafts, n_ctx, cache, capture)
-        target = logits.argmax(-1).tolist()  # target[i] = its token after block row i
-        n = accepted_prefix(drafts, target)
-        if linear and n < len(drafts):
-            # the linear layers have folded the rejected drafts in: rewind to before the block and
-            # run the kept tokens again (that forward's features are the ones kept)
-            spec_cache.restore(linear, saved)
-            spec_cache.crop(cache, n_ctx)
-            _, feats = _forward(model, [last] + drafts[:n], n_ctx, cache, capture)
+        with timed(clock, "draft"):
+            drafts = [int(t) for t in list(drafter(req))[:want]] if want > 0 else []
+        with timed(clock, "verify"):
+            saved = spec_cache.snapshot(linear)
+            logits, feats = _forward(model, [last] + drafts, n_ctx, cache, capture)
+            target = logits.argmax(-1).tolist()  # target[i] = its token after block row i
+            n = accepted_prefix(drafts, target)
+            if linear and n < len(drafts):
+                # the linear layers have folded the rejected drafts in: rewind to before the block and
+                # run the kept tokens again (that forward's features are the ones kept)
+                spec_cache.restore(linear, saved)
+                spec_cache.crop(cache, n_ctx)
+                _, feats = _forward(model, [last] + drafts[:n], n_ctx, cache, capture)
         if feats is not None:
             ctx_feats.append(feats[:n + 1])  # rows of `last` and the accepted drafts
         spec_cache.crop(cache, n_ctx + n + 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -55,6 +55,9 @@ class DecodeRun:
 
     results: list[DecodeResult]
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Of ``seconds``, those spent drafting (``draft``) and in the target's forwards (``verify``);
+    the rest is the loop's own work on the host."""
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -73,6 +76,7 @@ class DecodeRun:
                 "acceptance_rate": sum(acc) / drafted if drafted else None,
                 "tau_histogram": tau_histogram(acc, block_size), "generated_tokens": generated,
                 "seconds": round(self.seconds, 3),
+                **{f"{phase}_s": round(t, 3) for phase, t in self.phases.items()},
                 "tokens_per_s": round(generated / self.seconds, 1) if self.seconds else None}
 
 
@@ -156,20 +160,22 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
 
     t0 = time.perf_counter()
     results: list[DecodeResult] = []
+    clock = {"draft": 0.0, "verify": 0.0}
     if supports_batch(target):
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
             results += speculative_decode_batch(target, chunk, batch_drafter or one_by_one(drafter), block_size,
-                                                max_new_tokens, layer_ids, eos)
+                                                max_new_tokens, layer_ids, eos, clock=clock)
             if progress:
                 progress(results)
     else:
         for p in prompts:
-            results.append(speculative_decode(target, p, drafter, block_size, max_new_tokens, layer_ids, eos))
+            results.append(speculative_decode(target, p, drafter, block_size, max_new_tokens, layer_ids, eos,
+                                              clock=clock))
             if progress:
                 progress(results)
     _sync(target)
-    return DecodeRun(results, time.perf_counter() - t0)
+    return DecodeRun(results, time.perf_counter() - t0, clock)
 
 
 def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: set[int],

@@ -572,6 +572,8 @@ def test_evaluations_naming_one_reference_directory_share_one_greedy_text(served
     assert len(doc["outputs"]) == 2 and doc["target"] == str(served["target"])
     rep1 = json.loads((served["root"] / "eval_ref1" / "report.json").read_text())
     assert rep1["timing"]["greedy_s"] is not None and rep1["reference_dir"] == str(refs)
+    timing = rep1["timing"]
+    assert 0 < timing["spec_draft_s"] + timing["spec_verify_s"] <= timing["spec_s"]
 
     real = eval_runs.reference_decode
     decoded: list[int] = []

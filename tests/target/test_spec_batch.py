@@ -47,6 +47,34 @@ def test_rows_equal_the_per_prompt_loop_and_greedy(target, prompts):
                 (alone.accepted, alone.drafted, alone.budget, alone.anchors), name
 
 
+def test_clock_splits_the_seconds_into_drafting_and_verifying(target, prompts):
+    """Both loops add each drafter call's seconds to ``draft`` and the target's forwards' to
+    ``verify``; the tokens are those of a run without a clock."""
+    import time
+
+    calls: list[int] = []
+
+    def slow_ngram(req: DraftRequest) -> list[int]:
+        calls.append(1)
+        time.sleep(0.01)
+        return ngram_drafter()(req)
+
+    for decode in ("batch", "per prompt"):
+        calls.clear()
+        clock: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if decode == "batch":
+            got = speculative_decode_batch(target, prompts, one_by_one(slow_ngram), B, 12, None, clock=clock)
+        else:
+            got = [speculative_decode(target, p, slow_ngram, B, 12, None, clock=clock) for p in prompts]
+        total = time.perf_counter() - t0
+        plain = [speculative_decode(target, p, ngram_drafter(), B, 12, None).tokens for p in prompts]
+        assert [r.tokens for r in got] == plain, decode
+        assert set(clock) == {"draft", "verify"}, decode
+        assert clock["draft"] >= 0.01 * len(calls) > 0 and clock["verify"] > 0, decode
+        assert clock["draft"] + clock["verify"] <= total, decode
+
+
 def test_eos_and_max_new_tokens_end_rows_independently(target, prompts):
     refs = [greedy_decode(target, p, 16) for p in prompts]
     eos = refs[1][4]
