@@ -1,10 +1,10 @@
 #!/bin/bash
 # A device session's chain (issue 32, item 5): why session 31's cold quality_gpu.yaml stepped 41%
 # slower than session 27's. Twice from cold caches, the GPU sampled every 2 s: as committed (train's
-# row_wait_share now in metrics.jsonl), then as session 27 ran it (generate in the CLI's thread, no
-# warm-up, no early baseline) on today's code. Steps back at session 27's ~55 ms in the second run put
-# the cause in those three (steps 40-400, before the baseline starts, set the baseline apart); steps
-# as slow in both put it in the code since session 27 or the machine.
+# row_wait_share now in metrics.jsonl; since session 32 without the early baseline), then as session
+# 27 ran it (generate in the CLI's thread, no warm-up) on today's code. Steps back at session 27's
+# ~55 ms in the second run only put the cause in those two; steps as slow in both put it in the code
+# since session 27 or the machine.
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder) and PIPE (a cut-down pipeline file of the same stages).
@@ -52,11 +52,11 @@ for a, b in ((40, 400), (400, 2000), (2000, last)):
               f"row_wait_share {wait:.2f}")
 PY
 }
-# as session 31 ran: steps from 157 s, the early baseline beside them to ~340 s (steps 400-2,000)
+# steps from ~157 s, as in session 31 (its early baseline beside steps 400-2,000 is off now)
 cold quality_gpu 200,370
 # steps from ~200 s (57 s of compiling at the first row), at ~55 ms as in session 27
 cold quality_gpu_plain 260,350 --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
-    --set stages.evaluate.params.early_baseline=false --set stages.generate.executor=thread
+    --set stages.generate.executor=thread
 kill $SMI
 echo "== end $(date +%T)"
 touch runs/chainD.done
