@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from time import monotonic, sleep
+from time import time as unix_time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,8 +108,9 @@ class MetricsLog:
             os.remove(self.path)
         if "://" in self.ctx.run_dir or SummaryWriter is None:
             return
-        self.tb = SummaryWriter(os.path.join(self.ctx.run_dir, "tensorboard"),
-                                purge_step=step + 1 if resumed else None)
+        logdir = os.path.join(self.ctx.run_dir, "tensorboard")
+        after_earlier_event_files(logdir)
+        self.tb = SummaryWriter(logdir, purge_step=step + 1 if resumed else None)
 
     def start(self) -> None:
         """Rates and elapsed time count from now (the loop's start, not the model's build)."""
@@ -178,6 +181,25 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def after_earlier_event_files(logdir: str, limit_s: float = 3.0) -> None:
+    """Return once a TensorBoard event file made now sorts after every one in ``logdir``.
+
+    TensorBoard reads a directory's event files in name order, and a name holds the second it was
+    made, then the host and the process id as text. A resumed run's file made within the same
+    second as the interrupted run's can sort first, so its steps would be read before the earlier
+    ones. This waits for the next second, at most ``limit_s`` (a file stamped later than that means
+    the clock was set back)."""
+    stamps = [int(parts[3]) for parts in (name.split(".") for name in _names(logdir))
+              if parts[:3] == ["events", "out", "tfevents"] and len(parts) > 3 and parts[3].isdigit()]
+    deadline = monotonic() + limit_s
+    while stamps and int(unix_time()) <= max(stamps) and monotonic() < deadline:
+        sleep(0.05)
+
+
+def _names(folder: str) -> list[str]:
+    return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 def _means(window: list[dict[str, Any]], keys: tuple[str, ...] = MEANS) -> list[float]:

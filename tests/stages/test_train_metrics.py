@@ -131,3 +131,33 @@ def test_evaluate_pools_the_last_epochs_validation_windows_by_their_cycles() -> 
     assert out["val_cycles"] == 40
     older = [{k: v for k, v in r.items() if k not in ("epoch", "val_cycles")} for r in records]
     assert training_summary(older)["tau_serve_val"] == 5.0 and "val_cycles" not in training_summary(older)
+
+
+def test_a_resumed_runs_event_file_is_read_after_the_interrupted_runs(tmp_path: Path) -> None:
+    """TensorBoard orders event files by name: time to the second, then host and process id as text.
+    The interrupted run's file here is stamped a second ahead under a process id that sorts after
+    any real one; the resumed run's steps must still be read after its."""
+    import os
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    first = SummaryWriter(str(tmp_path / "first"))
+    for step in (1, 2, 3):
+        first.add_scalar("train/loss", float(step), step)
+    first.close()
+    (made,) = os.listdir(tmp_path / "first")
+    logdir = tmp_path / "tensorboard"
+    logdir.mkdir()
+    os.rename(tmp_path / "first" / made, logdir / f"events.out.tfevents.{int(time.time()) + 1:010d}.host.999999999.0")
+
+    ctx = StageContext(stage="train", config=None, run_dir=str(tmp_path), work_dir=str(tmp_path))
+    log = MetricsLog(ctx, every=1)
+    log.open(3, resumed=True)
+    for step in (4, 5):
+        log.tb.add_scalar("train/loss", float(step), step)
+    log.close()
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
