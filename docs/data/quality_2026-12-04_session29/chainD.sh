@@ -15,14 +15,19 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format
     >runs/gpu.csv 2>/dev/null &
 SMI=$!
 spy() {  # $1: run folder, then seconds into the run. Where the job's threads spend the wall clock:
-  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process for 20 s at each time
-  local run=$1 start t; shift
+  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process at each time for 10 s
+  # the thread holding the interpreter lock (.gil), then 10 s every thread on a CPU (.cpu);
+  # spy_summary.py reads them
+  local run=$1 start t what flag; shift
   start=$(date +%s)
   for t in "$@"; do
     sleep $((start + t - $(date +%s)))
     pid=$(pgrep -o -f "dflash_core.cli.main run") || return
-    timeout 40 .site/bin/py-spy record --nonblocking --idle --threads -r 50 -d 20 -p "$pid" -f raw \
-        -o runs/$run.spy$t.txt >runs/$run.spy$t.log 2>&1
+    for what in gil cpu; do
+      flag=; [ $what = gil ] && flag=--gil
+      timeout 30 .site/bin/py-spy record --nonblocking --threads $flag -r 50 -d 10 \
+          -p "$pid" -f raw -o runs/$run.spy$t.$what.txt >runs/$run.spy$t.$what.log 2>&1
+    done
   done
 }
 cold() {  # $1: run folder; $2: when py-spy samples it (seconds, comma-separated); the rest: --set words.
