@@ -121,12 +121,13 @@ def compiled(fn: F, **options: Any) -> F:
     """``torch.compile(fn, **options)``, entered only while no other thread traces (module
     docstring). Inside a compiled region, where dynamo inlines it, it is the compiled function."""
     import torch
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
     inner = torch.compile(fn, **options)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and is_fx_symbolic_tracing():  # one flag read a call
             _wait_for_traces()
         return inner(*args, **kwargs)
 

@@ -76,7 +76,6 @@ class DecodeRun:
                 "acceptance_rate": sum(acc) / drafted if drafted else None,
                 "tau_histogram": tau_histogram(acc, block_size), "generated_tokens": generated,
                 "seconds": round(self.seconds, 3),
-                **{f"{phase}_s": round(t, 3) for phase, t in self.phases.items()},
                 "tokens_per_s": round(generated / self.seconds, 1) if self.seconds else None}
 
 

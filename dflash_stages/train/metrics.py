@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from time import monotonic, sleep
+from time import monotonic, sleep  # bound here: tests set this module's ``time`` to a fixed clock
 from time import time as unix_time
 from typing import TYPE_CHECKING, Any
 
@@ -191,15 +191,12 @@ def after_earlier_event_files(logdir: str, limit_s: float = 3.0) -> None:
     second as the interrupted run's can sort first, so its steps would be read before the earlier
     ones. This waits for the next second, at most ``limit_s`` (a file stamped later than that means
     the clock was set back)."""
-    stamps = [int(parts[3]) for parts in (name.split(".") for name in _names(logdir))
+    names = os.listdir(logdir) if os.path.isdir(logdir) else []
+    stamps = [int(parts[3]) for parts in (name.split(".") for name in names)
               if parts[:3] == ["events", "out", "tfevents"] and len(parts) > 3 and parts[3].isdigit()]
     deadline = monotonic() + limit_s
     while stamps and int(unix_time()) <= max(stamps) and monotonic() < deadline:
         sleep(0.05)
-
-
-def _names(folder: str) -> list[str]:
-    return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 def _means(window: list[dict[str, Any]], keys: tuple[str, ...] = MEANS) -> list[float]:
