@@ -417,6 +417,7 @@ def packed_features(target: nn.Module, sequences: Sequence[Sequence[int]], layer
         yield from forward(row)
 
 
+@torch.no_grad()
 def teacher_forced_tau(drafter: nn.Module, target: nn.Module, prompt_ids: Sequence[int],
                        completion: Sequence[int], embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                        layer_ids: Sequence[int] | None = None, features: torch.Tensor | None = None

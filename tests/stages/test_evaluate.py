@@ -361,6 +361,26 @@ def test_a_blocks_tau_does_not_depend_on_the_other_anchors_of_the_pass(target, p
     assert len(set(every["anchor_tau"].values())) > 2  # right for long runs of some blocks, not of others
 
 
+def test_tau_sim_builds_no_autograd_graph(target, prompts):
+    """τ_sim is a measurement: the drafter's forward runs without autograd (a graph would keep every
+    layer's activations of the pass alive until its results are read)."""
+    from dflash_model.target.capture import embeddings_and_head
+    from dflash_model.target.spec_decode import teacher_forced_tau
+
+    prompt = prompts[1]
+    ref = greedy_decode(target, prompt, 16)
+    drafter = _memorizing_drafter(target, [prompt], [ref])
+    grad_on = []
+    hook = drafter.register_forward_hook(lambda m, args, out: grad_on.append((torch.is_grad_enabled(),
+                                                                              out.requires_grad)))
+    try:
+        sim = teacher_forced_tau(drafter, target, prompt, ref, *embeddings_and_head(target), [0, 1])
+    finally:
+        hook.remove()
+    assert grad_on == [(False, False)]
+    assert sim["n_blocks"] > 0
+
+
 def _memorizing_drafter(target, prompts, refs):
     """A DFlash drafter trained on these prompts' greedy completions until it drafts much of them."""
     from dflash_model.drafter import DFlashDrafter, FeatureBatch, anchor_candidates, drafter_loss
