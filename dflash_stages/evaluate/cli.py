@@ -47,7 +47,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_stages.evaluate.drafter import EvaluationError
+    from dflash_stages.evaluate.drafter import EvaluationError, progress_line
     from dflash_stages.evaluate.export import evaluate_export
     from dflash_stages.evaluate.report import render_table
 
@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(phase: str, done: int, total: int, tau: float | None) -> None:
         if not getattr(args, "quiet", False):
-            err_console.print(f"{phase}: {done}/{total} prompts"
-                              + (f", τ so far {tau:.2f}" if tau is not None else ""), markup=False)
+            err_console.print(progress_line(phase, done, total, tau), markup=False)
 
     try:
         report = evaluate_export(args.export, target=args.target, prompts=args.prompts, num_prompts=num_prompts,

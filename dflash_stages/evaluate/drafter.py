@@ -28,7 +28,13 @@ from dflash_stages.generate.prompts import read_records
 
 Progress = Callable[[str, int, int, float | None], None]
 """``progress(phase, done, total, tau_so_far)``: where an evaluation is (see :func:`evaluate_drafter`);
-``dflash-pipe evaluate`` prints it, since on a CPU each phase takes minutes."""
+``dflash-pipe evaluate`` prints it, since on a CPU each phase takes minutes, and the evaluate stage
+logs each phase's start and end."""
+
+
+def progress_line(phase: str, done: int, total: int, tau: float | None) -> str:
+    """One :data:`Progress` report as text: ``DFlash: 32/64 prompts, τ so far 2.41``."""
+    return f"{phase}: {done}/{total} prompts" + (f", τ so far {tau:.2f}" if tau is not None else "")
 
 
 GAP_THRESHOLD = 0.10
@@ -267,8 +273,17 @@ def evaluate_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]]
     report["ngram_split"] = runs.ngram_split(prompts, {"dflash": run, "ngram": base.ngram})
 
     t0 = time.perf_counter()
-    report.update(_tau_sim(drafter, target, prompts, run.results, base.refs, per_prompt, embed, head, layer_ids,
-                           max_new_tokens) if with_tau_sim else NO_TAU_SIM)
+    if with_tau_sim:
+        clock = {"features": 0.0}
+        if progress is not None:
+            progress("τ_sim", 0, len(prompts), None)
+        report.update(_tau_sim(drafter, target, prompts, run.results, base.refs, per_prompt, embed, head, layer_ids,
+                               max_new_tokens, clock))
+        if progress is not None:
+            progress("τ_sim", len(prompts), len(prompts), None)
+        timing["tau_sim_features_s"] = round(clock["features"], 3)
+    else:
+        report.update(NO_TAU_SIM)
     timing["tau_sim_s"] = round(time.perf_counter() - t0, 3)
 
     report.update(_verdict(report["tau"], report["tau_sim"], gap_threshold, mismatches, ties, per_prompt, tol))
@@ -348,10 +363,11 @@ def _prompt_row(i: int, prompt: Sequence[int], res: Any, B: int) -> dict[str, An
 
 def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], results: Sequence[Any],
              refs: Sequence[Sequence[int]], per_prompt: list[dict[str, Any]], embed: Any, head: Any,
-             layer_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+             layer_ids: list[int], max_new_tokens: int, clock: dict[str, float]) -> dict[str, Any]:
     """τ_sim teacher-forced on each prompt + the drafter's served output, in one pass: at every
     anchor (the trainer's view, with loss and accuracy) and, read from it, at the served full
-    blocks' anchors (the gap's basis).
+    blocks' anchors (the gap's basis). ``clock["features"]`` gains the seconds of the target's
+    forwards that make the texts' features, their GPU work included (the rest is the drafter's).
 
     The served output, not the greedy reference: the anchors are positions in it, and in bf16 it
     leaves the reference at near ties, after which the reference is another text. Two drafters
@@ -360,7 +376,9 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     of the greedy reference itself would make (:func:`cycles_on_text`). Evaluations that share one
     reference (``reference_dir``) score their drafters on one text, prompt by prompt; each decoding
     its own may not (bf16 near ties)."""
-    from dflash_model.target.spec_decode import cycles_on_text, packed_features, served_tau, teacher_forced_tau
+    from dflash_model.target.spec_decode import (cycles_on_text, packed_features, served_tau, teacher_forced_tau,
+                                                 timed)
+    from dflash_stages.evaluate.runs import sync
 
     own_ref = [list(res.tokens) != list(ref) for res, ref in zip(results, refs)]  # a text of its own
     texts = []  # each prompt's served text, then its reference where that differs
@@ -369,7 +387,9 @@ def _tau_sim(drafter: Any, target: Any, prompts: Sequence[Sequence[int]], result
     made = packed_features(target, texts, layer_ids)  # one packed row of texts at a time, in order
 
     def tau_on(prompt: Sequence[int], completion: Sequence[int]) -> dict[str, Any]:
-        _, features = next(made)
+        with timed(clock, "features"):
+            _, features = next(made)
+            sync(target)
         return teacher_forced_tau(drafter, target, prompt, completion, embed, head, layer_ids, features)
 
     at, every, on_ref = [], [], []

@@ -60,7 +60,7 @@ def export_baseline(export: str, *, target: str | None = None, prompts: str | Se
                     num_prompts: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
                     dtype: str = "auto", loaded_target: tuple[Any, Any] | None = None, baseline: bool = True,
                     batch_size: int = 16, tie_tolerance: float | None = None,
-                    reference_dir: str | None = None) -> Baseline:
+                    reference_dir: str | None = None, progress: Progress | None = None) -> Baseline:
     """The greedy reference and n-gram run that :func:`evaluate_export` of this export, with these
     arguments, would make (``drafter.prepare_baseline``): the same for every export of a run, so it
     can be made at the run's first checkpoint and handed to each evaluation as ``prepared``."""
@@ -70,7 +70,7 @@ def export_baseline(export: str, *, target: str | None = None, prompts: str | Se
     block_size = DrafterConfig.from_export_dict(s.config).block_size
     return prepare_baseline(s.lm, s.prompt_ids, block_size, max_new_tokens, s.eos, baseline=baseline,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, pad_id=s.pad,
-                            reference_dir=reference_dir, target_name=str(s.target_ref))
+                            reference_dir=reference_dir, target_name=str(s.target_ref), progress=progress)
 
 
 @dataclass

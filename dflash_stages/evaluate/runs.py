@@ -173,7 +173,7 @@ def decode_all(target: Any, prompts: Sequence[Sequence[int]], drafter: Drafter, 
                                               clock=clock))
             if progress:
                 progress(results)
-    _sync(target)
+    sync(target)
     return DecodeRun(results, time.perf_counter() - t0, clock)
 
 
@@ -191,7 +191,7 @@ def reference_decode(target: Any, prompts: Sequence[Sequence[int]], max_new_toke
         out += hf_greedy(target, prompts[i:i + step], max_new_tokens, eos, pad_id)
         if progress:
             progress(len(out))
-    _sync(target)
+    sync(target)
     return out, time.perf_counter() - t0
 
 
@@ -240,7 +240,8 @@ def check_outputs(target: Any, prompts: Sequence[Sequence[int]], refs: Sequence[
     return mismatches, ties
 
 
-def _sync(model: Any) -> None:
+def sync(model: Any) -> None:
+    """Waits for the GPU work queued on ``model``'s device, so that a clock read next counts it."""
     dev = next(model.parameters()).device
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -14,7 +14,8 @@ from dflash_core.items import CHECKPOINT, EVAL_REPORT, of_kind
 from dflash_core.paths import PATH_FIELD
 from dflash_core.stage import Stage, StageContext
 from dflash_model.fast.settings import DtypeName
-from dflash_stages.evaluate.drafter import GAP_THRESHOLD, Baseline, EvaluationError, LosslessError
+from dflash_stages.evaluate.drafter import (GAP_THRESHOLD, Baseline, EvaluationError, LosslessError, Progress,
+                                            progress_line)
 from dflash_stages.evaluate.export import evaluate_export, export_baseline
 
 
@@ -114,7 +115,7 @@ class SpecDecodeEvaluate(Stage):
                 ctx.progress(0, unit="checkpoints")
                 ctx.logger.info("evaluate: the greedy reference and n-gram baseline, at step %s", item.get("step"))
                 try:
-                    prepared = export_baseline(export, **common)
+                    prepared = export_baseline(export, progress=_phase_log(ctx, item.get("step")), **common)
                     prepared.step = item.get("step")
                 except Exception as exc:  # at a checkpoint it may not evaluate: say which and why
                     raise EvaluationError(f"the greedy reference and n-gram baseline at step {item.get('step')} "
@@ -127,7 +128,7 @@ class SpecDecodeEvaluate(Stage):
             out_dir = os.path.join(ctx.work_dir, _report_dir(step))
             ctx.progress(0, unit="checkpoints")
             report = evaluate_export(export, out_dir=out_dir, gap_threshold=cfg.gap_threshold, prepared=prepared,
-                                     **common)
+                                     progress=_phase_log(ctx, step), **common)
             report["step"] = step if step is not None else report.get("step")
             report["final"] = bool(item.get("final"))
             summary = {k: _round(report.get(k)) for k in ("tau", "tau_ngram", "tau_sim", "tau_ref", "gap")}
@@ -151,6 +152,15 @@ class SpecDecodeEvaluate(Stage):
         from dflash_stages.evaluate.report import summary_table
 
         return summary_table(summary) if summary.get("tau") is not None else None
+
+
+def _phase_log(ctx: StageContext, step: int | None) -> Progress:
+    """Logs each phase of an evaluation as it starts and ends: the one after the last step runs for
+    a minute or more on a GPU job, and its display would otherwise show nothing meanwhile."""
+    def log(phase: str, done: int, total: int, tau: float | None) -> None:
+        if done in (0, total):
+            ctx.logger.info("evaluate: step %s: %s", step, progress_line(phase, done, total, tau))
+    return log
 
 
 def _report_dir(step: int | None) -> str:

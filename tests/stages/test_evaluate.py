@@ -8,8 +8,10 @@ the command loads it, and a drafter exported with ``export_drafter``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -237,7 +239,9 @@ def test_cli_without_target_recorded_is_a_config_error(served, cli, tmp_path):
     assert r.code == 2 and "no target recorded" in r.text
 
 
-def test_stage_every_and_final(served, tmp_path):
+def test_stage_every_and_final(served, tmp_path, caplog):
+    """The stage evaluates every N-th checkpoint and the final one, and logs each phase of an
+    evaluation as it starts and ends (the baseline's at the first checkpoint)."""
     from dflash_core.stage import StageContext
     from dflash_stages.evaluate.stage import EvaluateConfig, SpecDecodeEvaluate
 
@@ -246,8 +250,18 @@ def test_stage_every_and_final(served, tmp_path):
     ctx = StageContext(stage="evaluate", config=cfg, device="cpu", work_dir=str(tmp_path))
     items = [{"kind": "checkpoint", "step": s, "export": str(served["export"]), "final": s == 30}
              for s in (10, 20, 30)]
-    reports = list(stage.run({"checkpoints": iter(items)}, ctx))
+    with caplog.at_level(logging.INFO):
+        reports = list(stage.run({"checkpoints": iter(items)}, ctx))
     assert [r["step"] for r in reports] == [20, 30]  # 2nd checkpoint, then the final one
+    phases = [re.sub(r"so far [0-9.]+", "so far T", r.getMessage()) for r in caplog.records
+              if re.match(r"evaluate: step \d+: ", r.getMessage())]
+    evaluation = lambda step: [f"evaluate: step {step}: {line}" for line in (
+        "DFlash: 0/1 prompts", "DFlash: 1/1 prompts, τ so far T", "τ_sim: 0/1 prompts", "τ_sim: 1/1 prompts")]
+    assert phases == [f"evaluate: step 10: {line}" for line in (
+        "greedy reference: 0/1 prompts", "greedy reference: 1/1 prompts",
+        "n-gram: 0/1 prompts", "n-gram: 1/1 prompts, τ so far T")] + evaluation(20) + evaluation(30)
+    timing = reports[-1]["timing"]
+    assert 0 < timing["tau_sim_features_s"] <= timing["tau_sim_s"]
     assert all(r["kind"] == "eval_report" and r["lossless"] for r in reports)
     assert (tmp_path / "step-0000020" / "report.json").exists()
     assert {"tau", "tau_ngram", "tau_sim", "tau_ref", "gap_flag", "lossless"} <= set(ctx.summary)
@@ -318,18 +332,17 @@ def test_cli_on_a_directory_that_is_not_an_export_says_what_one_holds(served, cl
 def test_cli_on_cpu_takes_a_few_prompts_and_shows_each_phase_as_it_goes(served, cli):
     """Each decode says when it starts and after each batch (on a CPU each takes minutes), the
     drafters' with their τ so far."""
-    import re
-
     out = served["root"] / "eval_cpu"
     r = cli("evaluate", served["export"], "--max-new-tokens", "6", "--device", "cpu", "--out", out,
             "--batch-size", "2")
     assert r.code == 0, r.text
     assert "the first 8 prompts" in r.text
     shown = [re.sub(r"so far [0-9.]+", "so far T", line) for line in r.text.splitlines()
-             if re.match(r"(greedy reference|n-gram|DFlash): ", line)]
+             if re.match(r"(greedy reference|n-gram|DFlash|τ_sim): ", line)]
     assert shown == ["greedy reference: 0/3 prompts", "greedy reference: 2/3 prompts", "greedy reference: 3/3 prompts",
                      "n-gram: 0/3 prompts", "n-gram: 2/3 prompts, τ so far T", "n-gram: 3/3 prompts, τ so far T",
-                     "DFlash: 0/3 prompts", "DFlash: 2/3 prompts, τ so far T", "DFlash: 3/3 prompts, τ so far T"]
+                     "DFlash: 0/3 prompts", "DFlash: 2/3 prompts, τ so far T", "DFlash: 3/3 prompts, τ so far T",
+                     "τ_sim: 0/3 prompts", "τ_sim: 3/3 prompts"]
     assert json.loads((out / "report.json").read_text())["num_prompts"] == 3  # the file holds 3
 
 
