@@ -30,6 +30,18 @@ spy() {  # $1: run folder, then seconds into the run. Where the job's threads sp
     done
   done
 }
+spy_phases() {  # $1: run folder. The evaluation after training (its phases are logged as they start):
+  # 10 s of every busy thread at the start of the greedy reference, the DFlash decode and τ_sim
+  # (.cpu, as above), so spy_summary.py says where the host spends those phases
+  local run=$1 phase tag
+  for phase in "greedy reference" DFlash "τ_sim"; do
+    tag=${phase// /_}
+    until grep -aq "evaluate: step [0-9]*: $phase: 0/" runs/$run.log 2>/dev/null; do sleep 1; done
+    pid=$(pgrep -o -f "dflash_core.cli.main run") || return
+    timeout 30 .site/bin/py-spy record --nonblocking --threads -r 50 -d 10 \
+        -p "$pid" -f raw -o runs/$run.spy-$tag.cpu.txt >runs/$run.spy-$tag.cpu.log 2>&1
+  done
+}
 cold() {  # $1: run folder; $2: when py-spy samples it (seconds, comma-separated); the rest: --set words.
   # Fresh Inductor, Triton and dflash-pipe compile caches.
   local run=$1 when=$2; shift 2
@@ -38,11 +50,13 @@ cold() {  # $1: run folder; $2: when py-spy samples it (seconds, comma-separated
   SECONDS=0
   spy $run ${when//,/ } &
   local spying=$!
+  spy_phases $run &
+  local phases=$!
   python3 -m dflash_core.cli.main run --traceback "${PIPE:-pipelines/quality_gpu.yaml}" --set run_dir=runs/$run \
       --set stages.train.params.compile_cache=runs/$run.compile "$@" >runs/$run.log 2>&1
   echo "rc $? wall $SECONDS s"
-  kill $spying 2>/dev/null; pkill -f py-spy
-  tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in\|a row's forward"
+  kill $spying $phases 2>/dev/null; pkill -f py-spy
+  tr '\r' '\n' <runs/$run.log | grep -a "warmed up\|first row came\|first step done\|done in\|a row's forward\|evaluate: step"
   tail -n 12 runs/$run.log
   python3 - runs/$run/metrics.jsonl <<'PY'
 import json, sys
@@ -56,6 +70,8 @@ for a, b in ((40, 400), (400, 2000), (2000, last)):
         print(f"steps {a}-{b}: {(at[b]['elapsed_s'] - at[a]['elapsed_s']) / (b - a) * 1e3:.1f} ms a step, "
               f"row_wait_share {wait:.2f}")
 PY
+  find runs/$run -name report.json -path '*step-*' | sort | tail -n 1 | xargs -r python3 -c \
+      'import json, sys; print("final evaluation:", json.load(open(sys.argv[1]))["timing"])'
 }
 # steps from ~157 s, as in session 31 (its early baseline beside steps 400-2,000 is off now)
 cold quality_gpu 200,370
