@@ -133,5 +133,16 @@ class Failed:
     failure: Failure
 
 
-Lifecycle = Started | Finished | Stopped | Failed
+@dataclass(frozen=True)
+class Logged:
+    """A log record of a stage in a spawned process, for the run's process to log: its handlers
+    (the console beside the live display) print a process's records as they print a thread's."""
+
+    logger: str
+    level: int
+    message: str
+    """The record's message with its arguments, and its traceback where it has one."""
+
+
+Lifecycle = Started | Finished | Stopped | Failed | Logged
 """The engine's own events, as opposed to the dicts a stage emits."""

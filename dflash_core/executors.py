@@ -8,6 +8,7 @@ differ only in where that loop runs and how its events reach the runner.
 from __future__ import annotations
 
 import inspect
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from dflash_core.artifacts import ArtifactStore
-from dflash_core.events import Failed, Failure, Finished, Lifecycle, Started, Stopped
+from dflash_core.events import Failed, Failure, Finished, Lifecycle, Logged, Started, Stopped
 from dflash_core.links import POLL_S, Channel, StopRun, close_all, fan_out
 from dflash_core.stage import Stage, StageContext
 
@@ -187,12 +188,34 @@ class ThreadWorker:
         self.thread.join(timeout)
 
 
-def _process_main(task: StageTask, events: Any, stop: Any) -> None:
+class _ToRunner(logging.Handler):
+    """Sends a spawned stage's log records to the run's process (as :class:`Logged` events): a
+    spawned interpreter starts with no logging set up, and writing to the terminal itself would
+    cut through the run's live display."""
+
+    def __init__(self, stage: str, emit: QueueEmitter) -> None:
+        super().__init__()
+        self.stage, self._emit = stage, emit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.exc_info:
+                message += "\n" + logging.Formatter().formatException(record.exc_info)
+            self._emit(self.stage, Logged(record.name, record.levelno, message))
+        except Exception:
+            self.handleError(record)
+
+
+def _process_main(task: StageTask, events: Any, stop: Any, log_level: int) -> None:
     import signal
 
     # a terminal's Ctrl-C reaches the whole process group: the parent decides what it means
     # (save and stop, or abort) and tells this process through the run's events
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    root = logging.getLogger()
+    root.handlers[:] = [_ToRunner(task.name, QueueEmitter(events))]
+    root.setLevel(log_level)
     parent = os.getppid()
 
     def parent_alive() -> bool:
@@ -229,8 +252,10 @@ class ProcessWorker:
 
     def __init__(self, task: StageTask, events: Any, stop: Any) -> None:
         self.name = task.name
+        # the run's log level: the records the spawned process sends are those this one would print
         self.process = mp.get_context("spawn").Process(
-            target=_process_main, args=(task, events, stop), name=f"stage-{task.name}", daemon=True)
+            target=_process_main, args=(task, events, stop, logging.getLogger().getEffectiveLevel()),
+            name=f"stage-{task.name}", daemon=True)
 
     def start(self) -> None:
         self.process.start()

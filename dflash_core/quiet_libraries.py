@@ -2,8 +2,9 @@
 
 Their own progress bars (transformers' GGUF and weight-loading bars, huggingface_hub's, and
 tqdm's in stage processes spawned meanwhile) are switched off, and log handlers that write to the
-terminal are pointed at the current ``sys.stdout``/``sys.stderr`` — which rich's live display has redirected, so a log line is
-printed above the table instead of through it. What was switched is put back on exit (a library
+terminal are pointed at the current ``sys.stdout``/``sys.stderr`` — which rich's live display has
+redirected, so a log line is printed above the table instead of through it (a spawned stage's
+records come to this process and print here too). What was switched is put back on exit (a library
 first imported inside keeps its bars off: the process is a run that shows the table).
 """
 

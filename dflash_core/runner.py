@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core.artifacts import ArtifactStore, join
-from dflash_core.events import (Failed, Failure, Finished, Lifecycle, Started, Stopped,
+from dflash_core.events import (Failed, Failure, Finished, Lifecycle, Logged, Started, Stopped,
                                 root_cause)
 from dflash_core.executors import (ArtifactSource, ChannelSource, InlineSource, ProcessWorker,
                                    StageTask, ThreadWorker)
@@ -563,6 +563,8 @@ class _Supervisor:
         elif isinstance(event, Stopped):
             if res is not None and res.status == Status.RUNNING:
                 res.status = Status.STOPPED
+        elif isinstance(event, Logged):
+            logging.getLogger(event.logger).log(event.level, "%s", event.message)
         else:
             if event.get("type") == "checkpoint":
                 self.r._fire("dflash_pipe_checkpoint_saved", stage=stage,

@@ -24,7 +24,8 @@ from dflash_model.drafter.model import DFlashDrafter
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "BlockLayout", "FeatureBatch", "LossOutput",
     "default_target_layer_ids", "to_aux_layer_ids", "from_aux_layer_ids",
-    "sample_anchors", "sample_anchor_shares", "anchor_candidates", "block_labels", "build_blocks", "doc_ids_from_lengths",
+    "sample_anchors", "sample_anchor_shares", "anchor_candidates", "block_labels", "build_blocks",
+    "doc_ids_from_lengths",
     "slot_weights", "default_gamma", "pick_mask_token_id", "tau_sim", "tau_serve",
     "drafter_loss", "draft_block", "draft_blocks", "export_drafter", "load_drafter", "read_export_config",
     "export_tensor_names", "training_flops", "H200_BF16_PEAK",

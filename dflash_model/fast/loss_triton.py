@@ -3,7 +3,8 @@
 Why: between its two products (logits = h @ W.T, then d loss/d h = g @ W) a chunk reads the
 [rows, V] logits to reduce them (max, sum of exponentials, argmax, the label's logit) and again to
 write the gradient g = coef · (softmax - onehot). Inductor's fused kernel for this gives each row
-(151,936 logits) to one program, far fewer programs than the GPU has room for. Here the row is cut into tiles of ``BLOCK`` logits, one program per (row, tile): the first
+(151,936 logits) to one program, far fewer programs than the GPU has room for. Here the row is cut
+into tiles of ``BLOCK`` logits, one program per (row, tile): the first
 kernel writes each tile's max, sum of exponentials and first argmax (and the label's logit, from
 the tile holding it), the second combines a row's partials into its log-sum-exp and overwrites the
 tile with the gradient in place. One read, then one read and one write of the logits, by tens of

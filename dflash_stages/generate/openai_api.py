@@ -17,7 +17,8 @@ records, named ``<id>#<seed>`` as ``generate:hf`` names them)::
   flight. 429, 5xx, timeouts, dropped connections and malformed answers are retried with
   exponential backoff and jitter (at least ``Retry-After``). An endpoint that refuses connections, or
   that ``OUT_AFTER`` requests in a row could not reach, is taken out for ``endpoint_cooldown_s``, then
-  tried again; a refused request goes on to another endpoint without counting as a retry. A prompt that still fails, or that the server refuses (another 4xx), is written to
+  tried again; a refused request goes on to another endpoint without counting as a retry. A prompt
+  that still fails, or that the server refuses (another 4xx), is written to
   ``failed.jsonl`` with its reason and counted; it never stops the run. 401/403/404 mean the key,
   model name or URL is wrong for every prompt: the run fails at once.
 * Shards of ``shard_records`` prompts in file order, as in ``generate:hf`` (each sample of a shard

@@ -164,7 +164,8 @@ def _time_target(extract_cfg: Any, tokens: int, rows: int, clock: _Clock, log: C
     log(f"loading target {extract_cfg.model} on {clock.dev}")
     target = extract_cfg.load_target(str(clock.dev))
     log(f"target loaded (attention {target.attn})")
-    vocab = min(int(target.model.config.vocab_size) - 1, len(target.tokenizer))  # real ids: never the drafter's mask row
+    # real ids: never the drafter's mask row
+    vocab = min(int(target.model.config.vocab_size) - 1, len(target.tokenizer))
     rcfg = RandomRowsConfig(rows=rows + 1, tokens_per_row=tokens, vocab_size=vocab)
     batch = [random_row(rcfg, i) for i in range(rows + 1)]
 

@@ -159,7 +159,9 @@ class Scale(Stage):
             if cfg.delay:
                 time.sleep(cfg.delay)
             ctx.progress(1, unit="items", values=1)
+            ctx.logger.debug("scale: item %d", k)
             yield {"i": item["i"], "v": item["v"] * cfg.factor}  # drops any pad
+        ctx.logger.info("scale: factor %d", cfg.factor)
 
 
 @dataclass

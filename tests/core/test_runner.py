@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from dflash_core.artifacts import ArtifactStore
@@ -101,6 +103,23 @@ def test_on_stage_error_hook(dflash_run):
     assert [e["stage"] for e in errors][:1] == ["scale"]
     assert "scale refuses item 3" in str(errors[0]["error"])
     assert "scale" not in [a["stage"] for a in rec.of("after_stage")]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_a_stage_logs_at_the_runs_level_from_a_process_as_from_a_thread(dflash_run, executor, level, caplog):
+    """A spawned stage's records reach the run's handlers, as a thread's do, at the run's level."""
+    text = f"""
+        stages:
+          src:   {{uses: numbers, params: {{n: 2}}}}
+          scale: {{uses: scale, after: src, executor: {executor}}}
+    """
+    with caplog.at_level(level):
+        run = dflash_run(text, plugins=(engine_stages,), autoload=False)
+    assert run.results["scale"].status == "done"
+    got = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "dflash_pipe.stage.scale"]
+    debug = [(logging.DEBUG, "scale: item 0"), (logging.DEBUG, "scale: item 1")] if level == logging.DEBUG else []
+    assert got == debug + [(logging.INFO, "scale: factor 2")]
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
