@@ -4,7 +4,11 @@
 # row_wait_share now in metrics.jsonl; since session 32 without the early baseline), then as session
 # 27 ran it (generate in the CLI's thread, no warm-up) on today's code. Steps back at session 27's
 # ~55 ms in the second run only put the cause in those two; steps as slow in both put it in the code
-# since session 27 or the machine.
+# since session 27 or the machine. The second run also makes evaluate's greedy reference and n-gram
+# run at the first checkpoint in a process of its own (since session 33 its logs come back): beside
+# training without sharing its interpreter lock, which in session 31's thread slowed the steps
+# 67 -> 95 ms for the ~45 s they ran. Its steps in that window against its others, and its final
+# evaluation's seconds against the first run's, say whether the job should do so.
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder) and PIPE (a cut-down pipeline file of the same stages).
@@ -15,7 +19,8 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format
     >runs/gpu.csv 2>/dev/null &
 SMI=$!
 spy() {  # $1: run folder, then seconds into the run. Where the job's threads spend the wall clock:
-  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process at each time for 10 s
+  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process and the stage
+  # processes it spawned at each time for 10 s
   # the thread holding the interpreter lock (.gil), then 10 s every thread on a CPU (.cpu);
   # spy_summary.py reads them
   local run=$1 start t what flag; shift
@@ -25,12 +30,13 @@ spy() {  # $1: run folder, then seconds into the run. Where the job's threads sp
     pid=$(pgrep -o -f "dflash_core.cli.main run") || return
     for what in gil cpu; do
       flag=; [ $what = gil ] && flag=--gil
-      timeout 30 .site/bin/py-spy record --nonblocking --threads $flag -r 50 -d 10 \
+      timeout 30 .site/bin/py-spy record --nonblocking --threads --subprocesses $flag -r 50 -d 10 \
           -p "$pid" -f raw -o runs/$run.spy$t.$what.txt >runs/$run.spy$t.$what.log 2>&1
     done
   done
 }
-spy_phases() {  # $1: run folder. The evaluation after training (its phases are logged as they start):
+spy_phases() {  # $1: run folder. The final evaluation (its phases are logged as they start; the
+  # greedy reference comes at the first checkpoint, beside training, where the baseline is early):
   # 10 s of every busy thread at the start of the greedy reference, the DFlash decode and τ_sim
   # (.cpu, as above), so spy_summary.py says where the host spends those phases
   local run=$1 phase tag
@@ -38,7 +44,7 @@ spy_phases() {  # $1: run folder. The evaluation after training (its phases are 
     tag=${phase// /_}
     until grep -aq "evaluate: step [0-9]*: $phase: 0/" runs/$run.log 2>/dev/null; do sleep 1; done
     pid=$(pgrep -o -f "dflash_core.cli.main run") || return
-    timeout 30 .site/bin/py-spy record --nonblocking --threads -r 50 -d 10 \
+    timeout 30 .site/bin/py-spy record --nonblocking --threads --subprocesses -r 50 -d 10 \
         -p "$pid" -f raw -o runs/$run.spy-$tag.cpu.txt >runs/$run.spy-$tag.cpu.log 2>&1
   done
 }
@@ -63,7 +69,7 @@ import json, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "elapsed_s" in r]
 at = {r["step"]: r for r in rows}
 last = rows[-1]["step"]
-for a, b in ((40, 400), (400, 2000), (2000, last)):
+for a, b in ((40, 400), (400, 1000), (1000, 2000), (2000, last)):
     if a in at and b in at and b > a:
         span = [r for r in rows if a < r["step"] <= b]
         wait = sum(r.get("row_wait_share", float("nan")) for r in span) / len(span)
@@ -75,9 +81,11 @@ PY
 }
 # steps from ~157 s, as in session 31 (its early baseline beside steps 400-2,000 is off now)
 cold quality_gpu 200,370
-# steps from ~200 s (57 s of compiling at the first row), at ~55 ms as in session 27
+# steps from ~200 s (57 s of compiling at the first row), at ~55 ms as in session 27; the baseline
+# from step 380 (~230 s) in evaluate's own process
 cold quality_gpu_plain 260,350 --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
-    --set stages.generate.executor=thread
+    --set stages.generate.executor=thread --set stages.evaluate.executor=process \
+    --set stages.evaluate.params.early_baseline=true
 kill $SMI
 echo "== end $(date +%T)"
 touch runs/chainD.done

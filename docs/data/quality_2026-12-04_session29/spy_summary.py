@@ -4,15 +4,17 @@ then its functions that held the most samples (inclusive).
     python docs/data/quality_2026-12-04_session29/spy_summary.py runs/quality_gpu.spy370.gil.txt \\
         runs/quality_gpu.spy370.cpu.txt [--top 12]
 
-Each file is ``py-spy record --threads -r 50 -d 10 -f raw`` output (one line per distinct stack:
-``thread (id): name;frame;...;frame count``): with ``--gil`` (``.gil``) only the thread holding the
-interpreter lock is sampled, so a thread's share is how long it held the lock; without it
-(``.cpu``) every thread on a CPU is, so its share is how busy it was.
+Each file is ``py-spy record --threads [--subprocesses] -r 50 -d 10 -f raw`` output (one line
+per distinct stack: ``[process PID:"command";...]thread (id): name;frame;...;frame count``): with
+``--gil`` (``.gil``) only the thread holding the interpreter lock is sampled, so a thread's share
+is how long it held the lock; without it (``.cpu``) every thread on a CPU is, so its share is how
+busy it was. A thread of a spawned stage process (``--subprocesses``) is named with its pid.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections import Counter, defaultdict
 
 
@@ -29,7 +31,7 @@ def main() -> None:
         frames: dict[str, Counter[str]] = defaultdict(Counter)
         for line in open(path):
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            thread, *calls = stack.split(";")
+            thread, calls = _thread_of(stack)
             per_thread[thread] += int(count)
             for call in set(calls):
                 frames[thread][call] += int(count)
@@ -38,6 +40,22 @@ def main() -> None:
             print(f"{thread[:70]:70s} {n / expected:6.1%}")
             for call, m in frames[thread].most_common(args.top):
                 print(f"    {m / expected:6.1%}  {call[:110]}")
+
+
+PROCESS = re.compile(r'process (\d+):".*?";(?=process |thread )')
+"""One process of a ``--subprocesses`` stack; its quoted command line may hold ``;``."""
+
+
+def _thread_of(stack: str) -> tuple[str, list[str]]:
+    """(thread, its frames) of a stack. With ``--subprocesses`` a stack starts with the processes
+    down to the thread's (``process PID:"command";``): the thread is then named with the pid of
+    the process it runs in."""
+    pids = []
+    while m := PROCESS.match(stack):
+        pids.append(m.group(1))
+        stack = stack[m.end():]
+    thread, *calls = stack.split(";")
+    return (f"pid {pids[-1]} {thread}" if pids else thread), calls
 
 
 if __name__ == "__main__":
