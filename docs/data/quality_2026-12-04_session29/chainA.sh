@@ -6,6 +6,7 @@
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainA.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder), PIPE (a cut-down pipeline file) and RUN (its run folder,
 # under W), GEN_SETS (more --set words for generate) and PT (more KEY=VALUE for every point).
+# SEEDS=0 leaves seeds 3-5 out (a GPU of 80 GB: their decode's cache, 66 GB, beside two trainings).
 HERE=$(cd "$(dirname "$0")" && pwd)
 CHAIN=A
 . "$HERE/setup.sh"
@@ -23,11 +24,13 @@ until grep -q "start x1" runs/sweep.log 2>/dev/null || ! kill -0 $SWEEP 2>/dev/n
 echo "== seeds 3-5 $(date +%T) ($SECONDS s)"
 # in the CLI's own thread, as sessions 27-28 generated: x10 needs these files, and generate's
 # process of its own (quality_long.yaml since session 30) is first tried on a GPU by chainB
-python3 -m dflash_core.cli.main run --traceback "$PIPE" --set stages.generate.params.samples=6 $GEN_SETS \
-    --set stages.generate.executor=thread --only generate >runs/seeds_generate.log 2>&1
-rc=$?; echo "seeds rc $rc at $SECONDS s"
-ls "$RUN"/cache/generate/*/
-[ $rc = 0 ] && touch runs/seeds.done  # final.sh brings seeds 3-5 back only when all were written
+if [ "${SEEDS:-1}" = 1 ]; then
+  python3 -m dflash_core.cli.main run --traceback "$PIPE" --set stages.generate.params.samples=6 $GEN_SETS \
+      --set stages.generate.executor=thread --only generate >runs/seeds_generate.log 2>&1
+  rc=$?; echo "seeds rc $rc at $SECONDS s"
+  ls "$RUN"/cache/generate/*/
+  [ $rc = 0 ] && touch runs/seeds.done  # final.sh brings seeds 3-5 back only when all were written
+fi
 wait $SWEEP; echo "sweep rc $? at $SECONDS s"
 tail -n 4 runs/sweep.log
 # session 31's chainB lost this point at its first checkpoint (failures.log now keeps why, if again);
