@@ -1,5 +1,5 @@
 #!/bin/bash
-# What comes back from chain $1 (A, B, C or D), in $OUT: logs, each run's small results (tokenize
+# What comes back from chain $1 (A to E), in $OUT: logs, each run's small results (tokenize
 # manifest, training log, evaluate report), the step profile's tables, from A seeds 3-5 once all
 # were written, and from B quality_gpu.yaml's final export, to serve again on other prompts (xz, in
 # 15 MB parts).

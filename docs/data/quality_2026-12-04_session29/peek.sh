@@ -1,5 +1,5 @@
 #!/bin/bash
-# How chain $1 (A, B, C or D) is going: its log's tail, the sweep's points, each run's last line, the GPU.
+# How chain $1 (A to E) is going: its log's tail, the sweep's points, each run's last line, the GPU.
 cd "${W:-/tmp/w}" 2>/dev/null || exit 0
 date +%T
 tail -n ${2:-6} runs/chain$1.log 2>/dev/null
