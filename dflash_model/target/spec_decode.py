@@ -195,7 +195,6 @@ def greedy_decode(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
     return out
 
 
-@torch.no_grad()
 @contextmanager
 def timed(clock: dict[str, float] | None, phase: str) -> Iterator[None]:
     """Adds the block's wall seconds to ``clock[phase]`` (nothing without a clock). Each phase of
@@ -211,6 +210,7 @@ def timed(clock: dict[str, float] | None, phase: str) -> Iterator[None]:
         clock[phase] = clock.get(phase, 0.0) + time.perf_counter() - t0
 
 
+@torch.no_grad()
 def speculative_decode(model: nn.Module, prompt_ids: Sequence[int], drafter: Drafter, block_size: int,
                        max_new_tokens: int, layer_ids: Sequence[int] | None = None,
                        eos_token_id: int | Iterable[int] | None = None,

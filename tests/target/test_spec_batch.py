@@ -75,6 +75,26 @@ def test_clock_splits_the_seconds_into_drafting_and_verifying(target, prompts):
         assert clock["draft"] + clock["verify"] <= total, decode
 
 
+def test_both_loops_draft_and_verify_without_autograd(target, prompts):
+    """A decode is a measurement: neither loop lets its drafter or the target record a graph, with
+    a clock (whose context manager wraps each phase) or without."""
+    grad_on: list[bool] = []
+
+    def watching(req: DraftRequest) -> list[int]:
+        grad_on.append(torch.is_grad_enabled())
+        return ngram_drafter()(req)
+
+    hook = target.register_forward_hook(lambda m, args, out: grad_on.append(torch.is_grad_enabled()))
+    try:
+        for clock in (None, {}):
+            speculative_decode_batch(target, prompts, one_by_one(watching), B, 8, None, clock=clock)
+            for p in prompts:
+                speculative_decode(target, p, watching, B, 8, None, clock=clock)
+    finally:
+        hook.remove()
+    assert grad_on and not any(grad_on)
+
+
 def test_eos_and_max_new_tokens_end_rows_independently(target, prompts):
     refs = [greedy_decode(target, p, 16) for p in prompts]
     eos = refs[1][4]
