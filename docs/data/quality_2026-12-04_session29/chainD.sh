@@ -18,34 +18,32 @@ CHAIN=D
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv,noheader -l 2 \
     >runs/gpu.csv 2>/dev/null &
 SMI=$!
+sample() {  # $1: output path without its extension; the rest: more py-spy flags. 10 s of the CLI's
+  # process and the stage processes it spawned (py-spy, a wheel in .whl, if it can attach here)
+  local out=$1 pid; shift
+  pid=$(pgrep -o -f "dflash_core.cli.main run") || return 1
+  timeout 30 .site/bin/py-spy record --nonblocking --threads --subprocesses "$@" -r 50 -d 10 \
+      -p "$pid" -f raw -o "$out.txt" >"$out.log" 2>&1
+}
 spy() {  # $1: run folder, then seconds into the run. Where the job's threads spend the wall clock:
-  # py-spy (a wheel in .whl, if it can attach here) samples the CLI's process and the stage
-  # processes it spawned at each time for 10 s
-  # the thread holding the interpreter lock (.gil), then 10 s every thread on a CPU (.cpu);
+  # at each time, the thread holding the interpreter lock (.gil), then every thread on a CPU (.cpu);
   # spy_summary.py reads them
-  local run=$1 start t what flag; shift
+  local run=$1 start t; shift
   start=$(date +%s)
   for t in "$@"; do
     sleep $((start + t - $(date +%s)))
-    pid=$(pgrep -o -f "dflash_core.cli.main run") || return
-    for what in gil cpu; do
-      flag=; [ $what = gil ] && flag=--gil
-      timeout 30 .site/bin/py-spy record --nonblocking --threads --subprocesses $flag -r 50 -d 10 \
-          -p "$pid" -f raw -o runs/$run.spy$t.$what.txt >runs/$run.spy$t.$what.log 2>&1
-    done
+    sample runs/$run.spy$t.gil --gil || return
+    sample runs/$run.spy$t.cpu || return
   done
 }
 spy_phases() {  # $1: run folder. The final evaluation (its phases are logged as they start; the
   # greedy reference comes at the first checkpoint, beside training, where the baseline is early):
-  # 10 s of every busy thread at the start of the greedy reference, the DFlash decode and τ_sim
-  # (.cpu, as above), so spy_summary.py says where the host spends those phases
-  local run=$1 phase tag
+  # every busy thread at the start of the greedy reference, the DFlash decode and τ_sim (.cpu, as
+  # above), so spy_summary.py says where the host spends those phases
+  local run=$1 phase
   for phase in "greedy reference" DFlash "τ_sim"; do
-    tag=${phase// /_}
     until grep -aq "evaluate: step [0-9]*: $phase: 0/" runs/$run.log 2>/dev/null; do sleep 1; done
-    pid=$(pgrep -o -f "dflash_core.cli.main run") || return
-    timeout 30 .site/bin/py-spy record --nonblocking --threads --subprocesses -r 50 -d 10 \
-        -p "$pid" -f raw -o runs/$run.spy-$tag.cpu.txt >runs/$run.spy-$tag.cpu.log 2>&1
+    sample runs/$run.spy-${phase// /_}.cpu || return
   done
 }
 cold() {  # $1: run folder; $2: when py-spy samples it (seconds, comma-separated); the rest: --set words.
