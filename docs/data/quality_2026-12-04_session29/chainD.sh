@@ -12,6 +12,7 @@
 #   call 1 carry [".xfer1", ".whl"]; call 2 [".xfer2"]; call 3 [".xfer3"]:
 #   setsid nohup bash docs/data/quality_2026-12-04_session29/chainD.sh >/dev/null 2>&1 </dev/null &
 # A CPU rehearsal sets W (another folder) and PIPE (a cut-down pipeline file of the same stages).
+# RUNS=1 runs the first only (the job as committed: after another chain, in what device time is left).
 HERE=$(cd "$(dirname "$0")" && pwd)
 CHAIN=D
 . "$HERE/setup.sh"
@@ -79,11 +80,13 @@ PY
 }
 # steps from ~157 s, as in session 31 (its early baseline beside steps 400-2,000 is off now)
 cold quality_gpu 200,370
+if [ "${RUNS:-2}" -ge 2 ]; then
 # steps from ~200 s (57 s of compiling at the first row), at ~55 ms as in session 27; the baseline
 # from step 380 (~230 s) in evaluate's own process
 cold quality_gpu_plain 260,350 --set stages.extract.params.warm_up=off --set stages.train.params.warm_up=off \
     --set stages.generate.executor=thread --set stages.evaluate.executor=process \
     --set stages.evaluate.params.early_baseline=true
+fi
 kill $SMI
 echo "== end $(date +%T)"
 touch runs/chainD.done
