@@ -276,13 +276,9 @@ class DFlashDrafter(nn.Module):
 
 
     def _sdpa_mask(self, layout: BlockLayout, window: int | None) -> Any:
-        """The SDPA mask's smaller form (``BlockLayout.sdpa_mask``) where nothing is trained (drafting,
-        τ_sim), else the dense one: the gathered keys' backward adds the gradients of a context row
-        shared by several blocks in no fixed order, so two equal steps would not give equal gradients;
-        and compiled layers would compile again for every new key count."""
-        if torch.is_grad_enabled() or self._attend is not _attend:
-            return layout.dense_mask(window)
-        return layout.sdpa_mask(window)
+        """The SDPA mask's smaller form (``BlockLayout.sdpa_mask``), or the dense one for compiled
+        layers: a form and key count that change with the row would compile them again and again."""
+        return layout.dense_mask(window) if self._attend is not _attend else layout.sdpa_mask(window)
 
 
 def _any_rows(x: torch.Tensor) -> torch.Tensor:
