@@ -263,7 +263,7 @@ class DFlashDrafter(nn.Module):
             inv_freq = self._rope_on[lt, x.device]
             window = self.config.sliding_window if lt == SLIDING else None
             masks[lt] = (layout.flex_block_mask(window, tile=self.flex_tile) if backend == "flex"
-                         else self._sdpa_mask(layout, window))
+                         else layout.sdpa_mask(window))
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
         last = len(self.layers) - 1
         for i, (layer, lt) in enumerate(zip(self.layers, self.config.layer_types)):
@@ -273,12 +273,6 @@ class DFlashDrafter(nn.Module):
                 x = x.view(N, B, -1)[:, 1:].reshape(N * (B - 1), -1)
             x = self._feed_forward(layer, _any_rows(x))
         return self.norm(_any_rows(x)).view(N, B - 1, -1)
-
-
-    def _sdpa_mask(self, layout: BlockLayout, window: int | None) -> Any:
-        """The SDPA mask's smaller form (``BlockLayout.sdpa_mask``), or the dense one for compiled
-        layers: a form and key count that change with the row would compile them again and again."""
-        return layout.dense_mask(window) if self._attend is not _attend else layout.sdpa_mask(window)
 
 
 def _any_rows(x: torch.Tensor) -> torch.Tensor:
