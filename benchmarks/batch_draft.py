@@ -1,12 +1,10 @@
 """The batch drafter of evaluate's speculative decode, timed at the quality job's shape.
 
 Each cycle of ``speculative_decode_batch`` drafts every row's block in one drafter forward
-(``draft_blocks``: the rows' contexts packed as documents of one row; SDPA scores each block against
-its own row's keys, ``BlockLayout.sdpa_mask``), and reads the drafts back on the host. This times
-that call, synced as the loop is, for R rows of contexts around L tokens (random weights at a
-preset's shape), against the same call with the dense mask (every block's queries against every
-row's keys) and against drafting the rows one at a time, and says whether all three give every row
-the same drafts. ``--profile`` adds the operations that
+(``draft_blocks``: the rows' contexts packed as documents of one row, a dense mask for SDPA), and
+reads the drafts back on the host. This times that call, synced as the loop is, for R rows of
+contexts around L tokens (random weights at a preset's shape), against drafting the rows one at a
+time, and says whether both give every row the same drafts. ``--profile`` adds the operations that
 took the most device time in one packed call.
 
     python benchmarks/batch_draft.py --rows 64 --context 340 [--preset smollm2-135m] [--profile]
@@ -19,7 +17,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 from typing import Callable
 
 import torch
@@ -28,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_model.drafter import DFlashDrafter  # noqa: E402
 from dflash_model.drafter.draft import draft_blocks  # noqa: E402
-from dflash_model.drafter.mask import BlockLayout  # noqa: E402
 from dflash_model.target.load import random_config  # noqa: E402
 
 
@@ -74,24 +70,18 @@ def main(argv: list[str] | None = None) -> None:
     def packed() -> torch.Tensor:
         return draft_blocks(drafter, feats, positions, last, embed, embed, lengths)
 
-    def packed_dense() -> torch.Tensor:  # as before the gathered form: every query against every key
-        with mock.patch.object(BlockLayout, "sdpa_mask", BlockLayout.dense_mask):
-            return packed()
-
     def one_at_a_time() -> torch.Tensor:
         return torch.cat([draft_blocks(drafter, [f], [p], [t], embed, embed, [n])
                           for f, p, t, n in zip(feats, positions, last, lengths)])
 
-    drafts = packed().tolist()
-    same = sum(a == b for a, b in zip(drafts, one_at_a_time().tolist()))
-    same_dense = sum(a == b for a, b in zip(drafts, packed_dense().tolist()))
+    same = sum(a == b for a, b in zip(packed().tolist(), one_at_a_time().tolist()))
     print(f"{args.preset}, {args.layers} layers, B={args.block_size}, {R} rows of {min(lengths)}-{max(lengths)} "
           f"context tokens ({sum(lengths):,} in all), {dev.type} {dtype}")
     print(f"{'mode':<18} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
-    for name, fn in (("packed", packed), ("packed, dense mask", packed_dense), ("one at a time", one_at_a_time)):
+    for name, fn in (("packed", packed), ("one at a time", one_at_a_time)):
         ms = _synced_ms(fn, args.warmup, args.iters)
         print(f"{name:<18} {statistics.median(ms):>10.2f} {min(ms):>8.2f} {max(ms):>8.2f}")
-    print(f"drafts equal to packed: one at a time {same} of {R} rows, dense mask {same_dense} of {R}")
+    print(f"drafts equal: {same} of {R} rows")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -12,7 +12,6 @@ from typing import Any, get_args
 import torch
 import torch.nn.functional as F
 
-from dflash_model.drafter.mask import GatheredKeys
 from dflash_model.fast.flex import flex_attention_fn
 from dflash_model.fast.settings import AttnBackend
 
@@ -32,16 +31,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend
            kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """q [Q, nh, d], k/v [KV, nkv, d] -> [Q, nh, d].
 
-    ``mask`` is a BlockMask for "flex"; for "sdpa" a [Q, KV] bool tensor (True = attend) or the
-    same mask as ``GatheredKeys`` (mask.py), whose blocks are scored against their own keys only;
+    ``mask`` is a BlockMask for "flex" or a [Q, KV] bool tensor (True = attend) for "sdpa";
     ``kernel_options`` go to flex_attention (its Triton block sizes), unused by SDPA.
     """
-    if isinstance(mask, GatheredKeys):  # SDPA on each block's own keys: [N, heads, B, K]
-        n = mask.index.shape[0]
-        qh = q.view(n, -1, *q.shape[1:]).transpose(1, 2)
-        kh, vh = (t[mask.index].transpose(1, 2) for t in (k, v))
-        out = F.scaled_dot_product_attention(qh, *_gqa(qh, kh, vh), attn_mask=mask.allowed[:, None])
-        return out.transpose(1, 2).reshape(q.shape)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if backend == "flex":
         # inside a compiled region (compiled draft layers) the plain function is traced in place
@@ -49,14 +41,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend
         out = flex_attention_fn(compiled)(qh, kh, vh, block_mask=mask, enable_gqa=kh.shape[1] != qh.shape[1],
                                           kernel_options=kernel_options)
     else:
-        out = F.scaled_dot_product_attention(qh, *_gqa(qh, kh, vh), attn_mask=mask)
+        rep = qh.shape[1] // kh.shape[1]
+        if rep > 1:  # explicit GQA expansion keeps SDPA on its masked fused kernels on every torch version
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
     return out.squeeze(0).transpose(0, 1)
-
-
-def _gqa(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v with each head repeated for its query heads: an explicit GQA expansion keeps SDPA on
-    its masked fused kernels on every torch version."""
-    rep = qh.shape[1] // kh.shape[1]
-    if rep > 1:
-        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-    return kh, vh

@@ -85,45 +85,6 @@ class BlockLayout:
         zero = torch.zeros((), dtype=torch.long, device=dev)
         return self.mask_mod(sliding_window)(zero, zero, q, kv)
 
-    def sdpa_mask(self, sliding_window: int | None = None) -> "torch.Tensor | GatheredKeys":
-        """The mask for SDPA in whichever form holds fewer entries, the same attention either way:
-        ``gathered_keys`` where each block sees a small part of the row (many documents, short
-        contexts: the batch drafter's 64 prompts in one row), else ``dense_mask``."""
-        runs = self._key_runs()
-        if runs[0].shape[0] * self.block_size * (runs[2] + self.block_size) < self.q_len * self.kv_len:
-            return self.gathered_keys(sliding_window, runs)
-        return self.dense_mask(sliding_window)
-
-    def gathered_keys(self, sliding_window: int | None = None,
-                      runs: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> "GatheredKeys":
-        """The same mask with each block's keys gathered into a row of their own, for SDPA: the run
-        of context rows before its anchor (its document's, as documents are contiguous runs of
-        rows), then its own B slots. Its queries are then scored against those keys only; every
-        other entry of ``dense_mask`` is False."""
-        T, B, N = self.num_context, self.block_size, self.num_blocks
-        dev = self.block_doc.device
-        lo, seen, width = runs or self._key_runs()
-        j = torch.arange(width + B, device=dev)[None, :]
-        own = T + torch.arange(N, device=dev)[:, None] * B + (j - width)  # the block's slots: last B columns
-        index = torch.where(j < width, (lo[:, None] + j).clamp(max=max(T - 1, 0)), own.clamp(min=0))
-        valid = (j < seen[:, None]) | (j >= width)
-        q = (torch.arange(N, device=dev)[:, None] * B + torch.arange(B, device=dev)[None, :])[:, :, None]
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        allowed = self.mask_mod(sliding_window)(zero, zero, q, index[:, None, :]) & valid[:, None, :]
-        return GatheredKeys(index=index, allowed=allowed)
-
-    def _key_runs(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(first row [N], length [N]) of the run of equal document ids that ends right before each
-        block's anchor (empty for an anchor at row 0), and the longest length (read on the host)."""
-        if not self.num_context or not self.num_blocks:
-            zeros = torch.zeros_like(self.block_start)
-            return zeros, zeros, 0
-        starts = _doc_starts(self.ctx_doc)
-        run = torch.searchsorted(starts, (self.block_start - 1).clamp(min=0), right=True) - 1
-        lo = starts[run.clamp(min=0)]
-        seen = torch.where(self.block_start > 0, self.block_start - lo, torch.zeros_like(lo))
-        return lo, seen, int(seen.max())
-
     def flex_block_mask(self, sliding_window: int | None = None, compile: bool = True,
                         tile: int = TILE):  # -> BlockMask
         """A flex_attention BlockMask of the same mask function, in ``tile`` x ``tile`` blocks.
@@ -173,15 +134,6 @@ class BlockLayout:
         visible = torch.minimum(before[:, None], (sliding_window - 1 - slot).clamp(min=0)[None, :])
         in_block = torch.minimum(slot + 1, torch.full_like(slot, sliding_window))
         return int(visible.sum()) + self.num_blocks * int(in_block.sum())
-
-
-@dataclass
-class GatheredKeys:
-    """A block mask in gathered form: ``index`` [N, K] the keys of each block (rows of the KV
-    sequence), ``allowed`` [N, B, K] which of them each of its B queries sees."""
-
-    index: torch.Tensor
-    allowed: torch.Tensor
 
 
 def block_mask_from_counts(counts: torch.Tensor, block_size: tuple[int, int], mask_mod: MaskMod,

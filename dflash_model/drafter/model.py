@@ -263,7 +263,7 @@ class DFlashDrafter(nn.Module):
             inv_freq = self._rope_on[lt, x.device]
             window = self.config.sliding_window if lt == SLIDING else None
             masks[lt] = (layout.flex_block_mask(window, tile=self.flex_tile) if backend == "flex"
-                         else layout.sdpa_mask(window))
+                         else layout.dense_mask(window))
             ropes[lt] = rope_cos_sin(inv_freq, scale, positions, dtype)
         last = len(self.layers) - 1
         for i, (layer, lt) in enumerate(zip(self.layers, self.config.layer_types)):
