@@ -1,5 +1,3 @@
-from unittest import mock
-
 import pytest
 import torch
 from conftest import make_drafter, packed_row
@@ -92,66 +90,6 @@ def test_flex_block_mask_matches_dense_mask():
         assert torch.equal(bm.mask_mod(torch.tensor(0), torch.tensor(0), torch.arange(layout.q_len)[:, None],
                                        torch.arange(layout.kv_len)[None, :]), layout.dense_mask(window))
         assert (bm.seq_lengths[0], bm.seq_lengths[1]) == (layout.q_len, layout.kv_len)
-
-
-def _as_dense(layout, g):
-    """The [Q, KV] mask a GatheredKeys stands for; fails on a key listed twice for one query."""
-    dense = torch.zeros(layout.q_len, layout.kv_len, dtype=torch.long)
-    B = layout.block_size
-    for n in range(layout.num_blocks):
-        for slot in range(B):
-            dense[n * B + slot].index_add_(0, g.index[n], g.allowed[n, slot].long())
-    assert dense.max() <= 1
-    return dense.bool()
-
-
-def _padded_layout(T, lengths, n, B, pad_to):
-    from dflash_model.drafter.anchors import pad_anchors
-
-    g = torch.Generator().manual_seed(T + n)
-    anchors, valid = pad_anchors(sample_anchors(torch.ones(T, dtype=torch.long), lengths, n, g), pad_to)
-    return build_blocks(torch.randint(0, 100, (T,), generator=g), torch.arange(T), doc_ids_from_lengths(lengths, T),
-                        anchors, B, 0, valid)[2]
-
-
-def _decode_layout(lengths, B):
-    """draft_blocks' layout: each context a document, its block anchored right after it."""
-    ends = torch.tensor(lengths).cumsum(0)
-    return BlockLayout(ctx_doc=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
-                       block_doc=torch.arange(len(lengths)), block_start=ends, block_size=B)
-
-
-@pytest.mark.parametrize("window", [None, 1, 3])
-def test_gathered_keys_are_the_dense_mask(window):
-    layouts = [SMALL, _packed_layout()[0], _packed_layout(B=3, n=20, seed=2)[0],
-               _padded_layout(300, [100, 150, 40], 37, 3, 60), _padded_layout(64, [64], 9, 4, None),
-               _decode_layout([5, 1, 9, 3], 4)]
-    for layout in layouts:
-        g = layout.gathered_keys(window)
-        assert g.index.shape[0] == layout.num_blocks and g.allowed.shape[:2] == (layout.num_blocks, layout.block_size)
-        assert torch.equal(_as_dense(layout, g), layout.dense_mask(window))
-
-
-def test_sdpa_mask_gathers_the_keys_of_many_short_documents_only():
-    many = _decode_layout([30] * 16, 4)  # a block sees 30 + 4 of 544 keys: gathered
-    assert many.sdpa_mask().index.shape == (16, 34)
-    one = _decode_layout([30], 4)  # the whole row: dense
-    assert torch.equal(one.sdpa_mask(), one.dense_mask())
-
-
-@pytest.mark.parametrize("layer_types", [["full_attention", "full_attention"], ["full_attention", "sliding_attention"]])
-def test_forward_with_gathered_keys_equals_forward_with_the_dense_mask(layer_types):
-    r = packed_row(doc_lengths=(12, 9, 14, 3, 7), pad=5)
-    model = make_drafter(layer_types=layer_types, config_kw=dict(use_sliding_window=True, sliding_window=5))
-    docs = doc_ids_from_lengths(r["doc_lengths"], r["input_ids"].shape[0])
-    anchors = sample_anchors(r["loss_mask"], r["doc_lengths"], 10, torch.Generator().manual_seed(1))
-    ids, pos, layout = build_blocks(r["input_ids"], r["position_ids"], docs, anchors, 4, 63)
-    outs = []
-    with torch.no_grad():
-        for form in (BlockLayout.dense_mask, BlockLayout.gathered_keys):
-            with mock.patch.object(BlockLayout, "sdpa_mask", form):
-                outs.append(model(r["features"], ids, r["position_ids"], pos, layout, r["E"], attn_backend="sdpa"))
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
